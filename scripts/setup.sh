@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv in the repository root and install lmctl with everything its tests and
+# demo need. Safe to run again: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    echo "setup: installing python3-venv" >&2
+    apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+
+stamp=.venv/.setup-stamp
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import lmctl, store' 2>/dev/null; then
+    echo "setup: installing lmctl and its test dependencies into .venv" >&2
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q -e '.[dev]'
+    echo "$want" > "$stamp"
+fi

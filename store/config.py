@@ -1,0 +1,84 @@
+"""Store settings. They are kept inside the store (LMDB meta table) so every process
+that opens the store agrees on capacity, tiers and codec."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .errors import StoreError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+#: Read order of the local tiers, fastest first. ``remote`` comes with the Redis tier.
+TIER_ORDER = ("dram", "nvme")
+TIER_IDS = {"dram": 0, "nvme": 1, "remote": 2}
+TIER_NAMES = {v: k for k, v in TIER_IDS.items()}
+
+
+@dataclass
+class TierConfig:
+    """One local tier: a directory of segment files with a byte capacity.
+
+    ``pin_budget`` is the most bytes pinned chunks may hold in this tier: a fraction
+    of the capacity when <= 1, else bytes.
+    """
+
+    capacity: int
+    path: str | None = None
+    pin_budget: float = 0.5
+
+    @property
+    def pin_budget_bytes(self) -> int:
+        return int(self.capacity * self.pin_budget) if self.pin_budget <= 1 else int(self.pin_budget)
+
+
+@dataclass
+class StoreConfig:
+    tiers: dict[str, TierConfig] = field(default_factory=lambda: {"nvme": TierConfig(capacity=64 * GiB)})
+    #: tier that new chunks are written to
+    default_tier: str = "nvme"
+    #: a segment is sealed once it reaches this size; compaction works segment by segment
+    segment_bytes: int = 256 * MiB
+    #: fdatasync payloads and commit the index synchronously on every put batch
+    fsync: bool = True
+    #: codec for new chunks; "raw" keeps compression off the engine's hot path
+    codec: str = "raw"
+    codec_level: int = 1
+    #: eviction brings a full tier down to this fraction of its capacity
+    low_watermark: float = 0.9
+    #: how often access times (for LRU) are written to the index, in seconds
+    access_flush_s: float = 1.0
+    #: sealed segments with at least this fraction of dead bytes are compacted
+    compact_dead_ratio: float = 0.3
+
+    def validate(self) -> None:
+        if not self.tiers:
+            raise StoreError("a store needs at least one tier")
+        for name, t in self.tiers.items():
+            if name not in TIER_ORDER:
+                raise StoreError(f"unknown local tier {name!r}; local tiers are {', '.join(TIER_ORDER)}")
+            if t.capacity <= 0:
+                raise StoreError(f"tier {name} needs a positive capacity in bytes")
+            if t.pin_budget < 0:
+                raise StoreError(f"tier {name}: pin budget must not be negative")
+        if self.default_tier not in self.tiers:
+            raise StoreError(f"default tier {self.default_tier!r} is not configured")
+        if self.segment_bytes < 64 * 1024:
+            raise StoreError("segment_bytes must be at least 64 KiB")
+        if not 0 < self.low_watermark <= 1:
+            raise StoreError("low_watermark must be in (0, 1]")
+        from .codec import codec_id
+
+        codec_id(self.codec)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StoreConfig:
+        doc = json.loads(text)
+        doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in known})

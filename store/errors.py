@@ -1,0 +1,19 @@
+"""Exceptions of the store library. Every error says what failed and how to fix it."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class CapacityError(StoreError):
+    """A chunk cannot fit in its tier even after evicting every unpinned chunk."""
+
+
+class PinBudgetError(StoreError):
+    """A pin would take a tier's pinned bytes over its pin budget."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds a resource that this operation needs."""

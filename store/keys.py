@@ -1,0 +1,233 @@
+"""Chunk identity: namespaces, adapter identities and prefix-chained chunk hashes.
+
+Everything here is pure Python (hashlib, json, array) so that the CLI can compute
+keys without importing numpy, torch or vllm.
+
+Scheme (see docs/architecture.md):
+
+* ``canonical(ns)``   = compact, key-sorted JSON of every field of the namespace
+* ``ns_id``           = sha256(b"lmctl/ns/v1\\0" + canonical)[:16]
+* ``h0``              = sha256(b"lmctl/chain/v1\\0" + canonical)
+* ``h_i``             = sha256(h_{i-1} + tokens of chunk i as little-endian uint32)
+* chunk key           = ns_id (16 bytes) + h_i (32 bytes)
+
+The namespace id prefixes the key so that one namespace (model + format + adapter +
+salt) is one contiguous range of the index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import StoreError
+
+DEFAULT_CHUNK_SIZE = 256
+LAYOUT_VERSION = 1
+NS_ID_BYTES = 16
+HASH_BYTES = 32
+KEY_BYTES = NS_ID_BYTES + HASH_BYTES
+
+#: Element size in bytes of every dtype the store knows by name.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+# Files that define an adapter's behaviour. Anything else in the folder (README,
+# training logs) does not change the KV it produces and is left out of the digest.
+_ADAPTER_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
+_ADAPTER_SKIP_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """Shape and encoding of the KV that one chunk holds (for one tensor-parallel rank)."""
+
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    layout_version: int = LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise StoreError(f"unknown KV dtype {self.dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise StoreError(f"KV format field {name} must be positive")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise StoreError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Raw bytes of one full chunk: layers x (K, V) x tokens x heads x head_dim."""
+        return (
+            self.num_layers * 2 * self.chunk_size * self.num_kv_heads * self.head_dim
+            * DTYPE_SIZES[self.dtype]
+        )
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """Canonical payload shape: [layers, 2 (K, V), tokens, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class AdapterIdentity:
+    """A LoRA adapter: its name plus a digest of the files that define its weights."""
+
+    name: str
+    digest: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+    @classmethod
+    def parse(cls, text: str) -> AdapterIdentity:
+        name, sep, digest = text.partition("@")
+        if not sep or not name or not digest:
+            raise StoreError(f"adapter identity {text!r} is not of the form NAME@DIGEST")
+        return cls(name, digest)
+
+    @classmethod
+    def from_path(cls, name: str, folder: str | os.PathLike[str]) -> AdapterIdentity:
+        return cls(name, adapter_digest(folder))
+
+
+def adapter_digest(folder: str | os.PathLike[str]) -> str:
+    """Digest (128 bits, hex) of an adapter folder's weight and config files.
+
+    The digest covers each file's path relative to the folder and its bytes, in
+    sorted order, so the same adapter copied elsewhere has the same digest, and any
+    change to its weights or config gives a new one.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise StoreError(f"adapter folder {str(root)!r} does not exist or is not a folder")
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and p.suffix in _ADAPTER_FILE_SUFFIXES and p.name not in _ADAPTER_SKIP_FILES
+    )
+    if not files:
+        raise StoreError(f"adapter folder {str(root)!r} has no weight or config files")
+    h = hashlib.sha256(b"lmctl/adapter/v1\0")
+    for p in files:
+        rel = p.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "little") + rel)
+        h.update(p.stat().st_size.to_bytes(8, "little"))
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two chunks of equal tokens to be interchangeable."""
+
+    model: str
+    kv_format: KVFormat
+    adapter: AdapterIdentity | None = None
+    cache_salt: str | None = None
+    model_fingerprint: str | None = None
+    _canonical: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise StoreError("namespace needs a model id")
+        doc = {
+            "model": self.model,
+            "kv_format": asdict(self.kv_format),
+            "adapter": None if self.adapter is None else asdict(self.adapter),
+            "cache_salt": self.cache_salt,
+            "model_fingerprint": self.model_fingerprint,
+        }
+        canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        object.__setattr__(self, "_canonical", canon)
+
+    @property
+    def canonical(self) -> bytes:
+        return self._canonical
+
+    @property
+    def ns_id(self) -> bytes:
+        return hashlib.sha256(b"lmctl/ns/v1\0" + self._canonical).digest()[:NS_ID_BYTES]
+
+    @property
+    def root_hash(self) -> bytes:
+        return hashlib.sha256(b"lmctl/chain/v1\0" + self._canonical).digest()
+
+    def to_json(self) -> str:
+        return self._canonical.decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Namespace:
+        doc = json.loads(text)
+        adapter = doc.get("adapter")
+        return cls(
+            model=doc["model"],
+            kv_format=KVFormat(**doc["kv_format"]),
+            adapter=None if adapter is None else AdapterIdentity(**adapter),
+            cache_salt=doc.get("cache_salt"),
+            model_fingerprint=doc.get("model_fingerprint"),
+        )
+
+    def chunk_keys(self, tokens: Sequence[int] | Iterable[int]) -> list[bytes]:
+        """Keys of every *full* chunk of ``tokens``, in order (a trailing partial chunk has none)."""
+        return chunk_keys(self, tokens)
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        arr = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise StoreError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chunk_keys(ns: Namespace, tokens: Sequence[int] | Iterable[int]) -> list[bytes]:
+    toks = tokens if isinstance(tokens, Sequence) else list(tokens)
+    size = ns.kv_format.chunk_size
+    full = len(toks) // size
+    if full == 0:
+        return []
+    raw = _token_bytes(toks[: full * size])
+    step = size * 4
+    prefix = ns.ns_id
+    h = ns.root_hash
+    keys = []
+    for i in range(full):
+        h = hashlib.sha256(h + raw[i * step : (i + 1) * step]).digest()
+        keys.append(prefix + h)
+    return keys
+
+
+def key_hex(key: bytes) -> str:
+    return key.hex()
+
+
+def parse_key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise StoreError(f"chunk key {text!r} is not hex") from None
+    if len(key) != KEY_BYTES:
+        raise StoreError(f"chunk key must be {KEY_BYTES * 2} hex digits, got {len(text)}")
+    return key

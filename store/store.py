@@ -1,0 +1,1356 @@
+"""The store: one class that owns the LMDB index, the segment tiers, eviction and pins.
+
+Rules that keep it correct with several processes on one store:
+
+* The index is the truth. A payload is written (and, with ``fsync``, made durable)
+  before the index transaction that makes it visible commits; files are removed only
+  after the transaction that forgets them commits.
+* Each writing process appends only to segments it created and holds an exclusive
+  ``flock`` on. Space is reserved in the index (the segment's size grows) before the
+  bytes are written, so capacity is enforced across processes.
+* Segment ids are never reused and indexed bytes are never overwritten, so a reader
+  that raced a compaction finds either the old bytes (still valid) or no file (and
+  looks the key up again). Every read checks the record's key and checksum.
+* A segment whose writer died (its flock is free) is sealed by the next process that
+  opens the store; bytes it reserved but never indexed are dead and compaction
+  reclaims them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import lmdb
+
+from .codec import CODEC_NAMES, Codec, codec_id
+from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
+from .errors import PinBudgetError, StoreError
+from .keys import DTYPE_SIZES, KEY_BYTES, Namespace
+from .segment import ALIGN, CorruptRecord, SegmentGone, SegmentIO, align_up, checksum, encode_header
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer
+
+log = logging.getLogger("lmctl.store")
+T = TypeVar("T")
+
+MAP_SIZE = 64 << 30
+FORMAT_VERSION = 1
+
+# chunks: key -> entry (+ layout JSON)
+_ENTRY = struct.Struct("<QQQQQQIIBB6xdd")
+_ENTRY_TIER_OFF = 57  # byte offset of the tier id inside a packed entry
+# segs: seg id (BE) -> segment
+_SEG = struct.Struct("<BBxxIQQQd")
+SEG_OPEN, SEG_SEALED = 0, 1
+# pins: key -> refs, reserved bytes (expected size while the chunk is not stored)
+_PIN = struct.Struct("<IQ")
+_U64 = struct.Struct("<Q")
+_BE64 = struct.Struct(">Q")
+
+
+@dataclass
+class Entry:
+    seg: int
+    off: int
+    rec_len: int
+    stored_len: int
+    raw_len: int
+    checksum: int
+    tokens: int
+    hits: int
+    codec: int
+    tier: int
+    created: float
+    last_access: float
+    layout: dict[str, Any]
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(self.seg, self.off, self.rec_len, self.stored_len, self.raw_len,
+                           self.checksum, self.tokens, self.hits, self.codec, self.tier,
+                           self.created, self.last_access) + json.dumps(
+                               self.layout, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Entry:
+        fields = _ENTRY.unpack_from(raw, 0)
+        return cls(*fields, layout=json.loads(bytes(raw[_ENTRY.size:]) or b"{}"))
+
+    @property
+    def tier_name(self) -> str:
+        return TIER_NAMES[self.tier]
+
+
+@dataclass
+class Segment:
+    tier: int
+    state: int
+    pid: int
+    size: int
+    live_bytes: int
+    live_count: int
+    created: float
+
+    def pack(self) -> bytes:
+        return _SEG.pack(self.tier, self.state, self.pid, self.size, self.live_bytes,
+                         self.live_count, self.created)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Segment:
+        return cls(*_SEG.unpack(raw))
+
+
+@dataclass
+class Chunk:
+    """A chunk read from the store. ``data`` is the decoded payload."""
+
+    key: bytes
+    data: Buffer
+    layout: dict[str, Any]
+    tokens: int
+    tier: str
+    codec: str
+
+
+@dataclass
+class ChunkInfo:
+    """Index metadata of one chunk (no payload)."""
+
+    key: bytes
+    tier: str
+    codec: str
+    stored_bytes: int
+    raw_bytes: int
+    disk_bytes: int
+    tokens: int
+    hits: int
+    created: float
+    last_access: float
+    pin_refs: int
+    layout: dict[str, Any]
+    segment: int
+    offset: int
+
+
+@dataclass
+class PutItem:
+    key: bytes
+    data: Buffer
+    layout: dict[str, Any]
+    tokens: int = 0
+    codec: str | None = None
+
+
+@dataclass
+class LookupResult:
+    total_tokens: int
+    hit_tokens: int
+    chunk_size: int
+    keys: list[bytes]
+    tiers: list[str | None]
+
+    @property
+    def hit_chunks(self) -> int:
+        return self.hit_tokens // self.chunk_size if self.chunk_size else 0
+
+
+@dataclass
+class Problem:
+    """One inconsistency found by ``Store.check``."""
+
+    kind: str
+    detail: str
+    fixed: bool = False
+
+
+class EvictionPolicy(Protocol):
+    """Chooses which chunks of a tier go first. It must never yield a pinned chunk."""
+
+    name: str
+
+    def victims(self, store: Store, txn: lmdb.Transaction, tier: int) -> Iterator[bytes]: ...
+
+
+class LRUPolicy:
+    """Least recently used first (access times are flushed to the index in batches)."""
+
+    name = "lru"
+
+    def victims(self, store: Store, txn: lmdb.Transaction, tier: int) -> Iterator[bytes]:
+        cur = txn.cursor(db=store._db_lru)
+        prefix = bytes([tier])
+        if not cur.set_range(prefix):
+            return
+        pins = txn.cursor(db=store._db_pins)
+        for k in cur.iternext(values=False):
+            if k[:1] != prefix:
+                return
+            key = bytes(k[9:])
+            if pins.set_key(key) and _PIN.unpack(pins.value())[0] > 0:
+                continue
+            yield key
+
+
+@dataclass
+class _TierState:
+    name: str
+    tid: int
+    cfg: TierConfig
+    io: SegmentIO
+    open_seg: int | None = None
+    open_fd: int | None = None
+    retired_fds: list[int] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class Store:
+    """A KV chunk store on local disk. Thread-safe; open one per process."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: StoreConfig | None = None,
+        *,
+        policy: EvictionPolicy | None = None,
+        readonly: bool = False,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.readonly = readonly
+        self.policy: EvictionPolicy = policy or LRUPolicy()
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._access: dict[bytes, tuple[float, int]] = {}
+        self._stats_mem = {"hits": 0, "misses": 0}
+        self._last_flush = time.monotonic()
+        self._closed = False
+        if readonly and not os.path.isdir(os.path.join(self.path, "index")):
+            raise StoreError(f"no store at {self.path}; create it first (open it without readonly)")
+        os.makedirs(os.path.join(self.path, "index"), exist_ok=True)
+        self._open_env()
+        self.config = self._load_config(config)
+        self.codec = Codec(self.config.codec_level)
+        self._tiers: dict[str, _TierState] = {}
+        for name in TIER_ORDER:
+            if name in self.config.tiers:
+                cfg = self.config.tiers[name]
+                d = cfg.path or os.path.join(self.path, name)
+                self._tiers[name] = _TierState(name, TIER_IDS[name], cfg, SegmentIO(d))
+        if not readonly:
+            self.recover()
+            for name in self._tiers:
+                self._enforce_capacity(name, 0)
+
+    # -- environment -------------------------------------------------------------
+    def _open_env(self) -> None:
+        self._env = lmdb.open(
+            os.path.join(self.path, "index"), map_size=MAP_SIZE, max_dbs=16, metasync=False,
+            sync=True, readahead=False, max_readers=512, readonly=False,
+        )
+        self._db_meta = self._env.open_db(b"meta")
+        self._db_chunks = self._env.open_db(b"chunks")
+        self._db_lru = self._env.open_db(b"lru")
+        self._db_locs = self._env.open_db(b"locs")
+        self._db_segs = self._env.open_db(b"segs")
+        self._db_pins = self._env.open_db(b"pins")
+        self._db_labels = self._env.open_db(b"labels")
+        self._db_ns = self._env.open_db(b"namespaces")
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreError("a Store object was inherited across fork(); open a new Store in the child")
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a write transaction, growing the map once if LMDB says it is full."""
+        self._check_fork()
+        if self.readonly:
+            raise StoreError("this store was opened read-only")
+        for attempt in range(2):
+            try:
+                with self._env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                if attempt:
+                    raise
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+        raise AssertionError("unreachable")
+
+    def _read(self) -> lmdb.Transaction:
+        self._check_fork()
+        return self._env.begin(write=False, buffers=False)
+
+    def _load_config(self, config: StoreConfig | None) -> StoreConfig:
+        def load(txn: lmdb.Transaction) -> StoreConfig:
+            raw = txn.get(b"config", db=self._db_meta)
+            ver = txn.get(b"format_version", db=self._db_meta)
+            if ver is not None and int(ver) != FORMAT_VERSION:
+                raise StoreError(f"store format {int(ver)} is not supported by this lmctl ({FORMAT_VERSION})")
+            if config is not None:
+                config.validate()
+                txn.put(b"config", config.to_json().encode(), db=self._db_meta)
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
+                return config
+            if raw is None:
+                cfg = StoreConfig()
+                txn.put(b"config", cfg.to_json().encode(), db=self._db_meta)
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
+                return cfg
+            return StoreConfig.from_json(raw)
+
+        if self.readonly:
+            with self._read() as txn:
+                raw = txn.get(b"config", db=self._db_meta)
+                return StoreConfig.from_json(raw) if raw else StoreConfig()
+        return self._write(load)
+
+    def configure(self, config: StoreConfig) -> None:
+        """Replace the store's settings (capacity, budgets, codec) and apply them now."""
+        config.validate()
+        for name in self._tiers:
+            if name not in config.tiers:
+                raise StoreError(f"tier {name} holds data; it cannot be removed by configure()")
+        with self._lock:
+            self._write(lambda txn: txn.put(b"config", config.to_json().encode(), db=self._db_meta))
+            self.config = config
+            for name, st in self._tiers.items():
+                st.cfg = config.tiers[name]
+                self._enforce_capacity(name, 0)
+
+    # -- counters ----------------------------------------------------------------
+    def _add(self, txn: lmdb.Transaction, name: str, delta: int) -> int:
+        k = b"c:" + name.encode()
+        raw = txn.get(k, db=self._db_meta)
+        v = (_U64.unpack(raw)[0] if raw else 0) + delta
+        if v < 0:
+            log.warning("counter %s went negative (%d); clamping, run verify to recount", name, v)
+            v = 0
+        txn.put(k, _U64.pack(v), db=self._db_meta)
+        return v
+
+    def _get_counter(self, txn: lmdb.Transaction, name: str) -> int:
+        raw = txn.get(b"c:" + name.encode(), db=self._db_meta)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    # -- namespaces --------------------------------------------------------------
+    def register_namespace(self, ns: Namespace, info: dict[str, Any] | None = None) -> bytes:
+        """Record a namespace (and optional facts such as the tokenizer source) for operators."""
+        doc = {"namespace": json.loads(ns.to_json()), "info": info or {}, "updated": time.time()}
+
+        def fn(txn: lmdb.Transaction) -> None:
+            old = txn.get(ns.ns_id, db=self._db_ns)
+            if old is not None:
+                prev = json.loads(old)
+                if prev.get("info") == doc["info"]:
+                    return
+                doc["info"] = {**prev.get("info", {}), **doc["info"]}
+            txn.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
+
+        self._write(fn)
+        return ns.ns_id
+
+    def namespaces(self) -> dict[bytes, dict[str, Any]]:
+        with self._read() as txn:
+            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._db_ns)}
+
+    # -- writing -----------------------------------------------------------------
+    def put(self, key: bytes, data: Buffer, layout: dict[str, Any], tokens: int = 0,
+            codec: str | None = None) -> bool:
+        """Store one chunk; see ``put_many``."""
+        return self.put_many([PutItem(key, data, layout, tokens, codec)])[0]
+
+    def put_many(self, items: Sequence[PutItem], tier: str | None = None) -> list[bool]:
+        """Store chunks in one batch: one reservation, sequential writes, one sync, one commit.
+
+        Returns, per item, whether it was stored. A chunk that is already present is
+        not written again; a chunk that does not fit (the tier is full of pinned
+        chunks, or the chunk is larger than the tier) is dropped and counted, never
+        raised: a cache that cannot store simply misses later.
+        """
+        tier_name = tier or self.config.default_tier
+        st = self._tier(tier_name)
+        prepared = []
+        for it in items:
+            if len(it.key) != KEY_BYTES:
+                raise StoreError(f"chunk key must be {KEY_BYTES} bytes, got {len(it.key)}")
+            layout = dict(it.layout)
+            dtype = layout.get("dtype", "uint8")
+            itemsize = DTYPE_SIZES.get(dtype, 1)
+            cid = codec_id(it.codec or self.config.codec)
+            raw = memoryview(it.data).cast("B")
+            stored = self.codec.encode(cid, raw, itemsize)
+            now = time.time()
+            hdr = encode_header(it.key, cid, {"layout": layout, "tokens": it.tokens},
+                                len(memoryview(stored)), len(raw), checksum(stored), now)
+            rec_len = align_up(len(hdr) + len(memoryview(stored)))
+            prepared.append((it, layout, cid, raw, stored, hdr, rec_len, now))
+
+        with self._lock:
+            plan = self._reserve(st, [(p[0].key, p[6]) for p in prepared])
+            written = 0
+            results = [False] * len(prepared)
+            todo = []
+            for i, p in enumerate(prepared):
+                slot = plan[i]
+                if slot is None:
+                    continue
+                seg, off, fd = slot
+                written += st.io.write_record(fd, off, p[5], p[4])
+                todo.append((i, p, seg, off))
+            if not todo:
+                self._close_retired(st)
+                return results
+            if self.config.fsync:
+                for fd in {s[2] for s in plan if s is not None}:
+                    st.io.sync(fd)
+            self._close_retired(st)
+
+            def commit(txn: lmdb.Transaction) -> None:
+                payload = 0
+                for i, p, seg, off in todo:
+                    it, layout, cid, raw, stored, _hdr, rec_len, now = p
+                    if txn.get(it.key, db=self._db_chunks) is not None:
+                        continue  # another process stored it meanwhile; ours is dead space
+                    e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), checksum(stored),
+                              it.tokens, 0, cid, st.tid, now, now, layout)
+                    self._index_entry(txn, it.key, e)
+                    results[i] = True
+                    payload += e.stored_len
+                self._add(txn, "written_bytes", written)
+                self._add(txn, "payload_bytes", payload)
+                self._add(txn, "puts", sum(results))
+
+            self._write(commit)
+            return results
+
+    def _index_entry(self, txn: lmdb.Transaction, key: bytes, e: Entry) -> None:
+        txn.put(key, e.pack(), db=self._db_chunks)
+        txn.put(bytes([e.tier]) + _BE64.pack(int(e.last_access * 1e9)) + key, b"", db=self._db_lru)
+        txn.put(_BE64.pack(e.seg) + _BE64.pack(e.off), key, db=self._db_locs)
+        seg = Segment.unpack(txn.get(_BE64.pack(e.seg), db=self._db_segs))
+        seg.live_bytes += e.rec_len
+        seg.live_count += 1
+        txn.put(_BE64.pack(e.seg), seg.pack(), db=self._db_segs)
+        tname = TIER_NAMES[e.tier]
+        self._add(txn, f"live:{tname}", e.rec_len)
+        self._add(txn, f"count:{tname}", 1)
+        pin = txn.get(key, db=self._db_pins)
+        if pin is not None:
+            refs, reserved = _PIN.unpack(pin)
+            if refs:
+                self._add(txn, f"pinned:{tname}", e.rec_len)
+                self._add(txn, "pin_reserved", -reserved)
+                txn.put(key, _PIN.pack(refs, 0), db=self._db_pins)
+
+    def _unindex_entry(self, txn: lmdb.Transaction, key: bytes, e: Entry, unlink: list[tuple[str, int]]) -> None:
+        txn.delete(key, db=self._db_chunks)
+        txn.delete(bytes([e.tier]) + _BE64.pack(int(e.last_access * 1e9)) + key, db=self._db_lru)
+        txn.delete(_BE64.pack(e.seg) + _BE64.pack(e.off), db=self._db_locs)
+        tname = TIER_NAMES[e.tier]
+        self._add(txn, f"live:{tname}", -e.rec_len)
+        self._add(txn, f"count:{tname}", -1)
+        pin = txn.get(key, db=self._db_pins)
+        if pin is not None:
+            refs, _ = _PIN.unpack(pin)
+            if refs:
+                self._add(txn, f"pinned:{tname}", -e.rec_len)
+                self._add(txn, "pin_reserved", e.rec_len)
+                txn.put(key, _PIN.pack(refs, e.rec_len), db=self._db_pins)
+        raw = txn.get(_BE64.pack(e.seg), db=self._db_segs)
+        if raw is None:
+            return
+        seg = Segment.unpack(raw)
+        seg.live_bytes -= e.rec_len
+        seg.live_count -= 1
+        if seg.live_count <= 0 and seg.state == SEG_SEALED:
+            txn.delete(_BE64.pack(e.seg), db=self._db_segs)
+            self._add(txn, f"used:{tname}", -seg.size)
+            unlink.append((tname, e.seg))
+        else:
+            txn.put(_BE64.pack(e.seg), seg.pack(), db=self._db_segs)
+
+    def _unlink(self, unlink: list[tuple[str, int]]) -> None:
+        for tname, seg_id in unlink:
+            st = self._tiers[tname]
+            st.io.forget(seg_id)
+            if st.open_seg == seg_id:
+                continue
+            try:
+                os.unlink(st.io.path(seg_id))
+            except FileNotFoundError:
+                pass
+
+    def _tier(self, name: str) -> _TierState:
+        try:
+            return self._tiers[name]
+        except KeyError:
+            raise StoreError(
+                f"tier {name!r} is not configured in this store (configured: {', '.join(self._tiers)})"
+            ) from None
+
+    def _reserve(self, st: _TierState, needs: list[tuple[bytes, int]]) -> list[tuple[int, int, int] | None]:
+        """Reserve space for records in this process's open segment, evicting if needed."""
+        total = sum(n for _, n in needs)
+        self._enforce_capacity(st.name, total)
+        created: list[int] = []
+
+        def fn(txn: lmdb.Transaction) -> list[tuple[int, int, int] | None]:
+            out: list[tuple[int, int, int] | None] = []
+            cap = st.cfg.capacity
+            used = self._get_counter(txn, f"used:{st.name}")
+            for key, n in needs:
+                if txn.get(key, db=self._db_chunks) is not None or n + ALIGN > cap:
+                    out.append(None)
+                    if n + ALIGN > cap:
+                        self._add(txn, "rejected_full", 1)
+                    continue
+                if used + n > cap:
+                    out.append(None)
+                    self._add(txn, "rejected_full", 1)
+                    continue
+                seg = self._open_segment(txn, st, n, created)
+                s = Segment.unpack(txn.get(_BE64.pack(seg), db=self._db_segs))
+                off = s.size
+                s.size += n
+                txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
+                used += n
+                self._add(txn, f"used:{st.name}", n)
+                assert st.open_fd is not None
+                out.append((seg, off, st.open_fd))
+            return out
+
+        try:
+            return self._write(fn)
+        except BaseException:
+            # segments created in an aborted transaction are not registered: remove them
+            for seg_id in created:
+                if st.open_seg == seg_id:
+                    self._drop_open(st)
+                try:
+                    os.unlink(st.io.path(seg_id))
+                except FileNotFoundError:
+                    pass
+            raise
+
+    def _drop_open(self, st: _TierState) -> None:
+        # the fd may still be in use by a batch that is being written: close it later
+        if st.open_fd is not None:
+            st.retired_fds.append(st.open_fd)
+        st.open_fd = None
+        st.open_seg = None
+
+    @staticmethod
+    def _close_retired(st: _TierState) -> None:
+        while st.retired_fds:
+            os.close(st.retired_fds.pop())
+
+    def _segment_bytes(self, st: _TierState) -> int:
+        # small tiers get small segments, so that dead space is never a large share
+        return max(4 * ALIGN, min(self.config.segment_bytes, st.cfg.capacity // 16))
+
+    def _seal_open(self, st: _TierState) -> None:
+        """Seal this process's open segment of a tier (so compaction may take it)."""
+        sid = st.open_seg
+        if sid is None:
+            return
+
+        def seal(txn: lmdb.Transaction) -> None:
+            raw = txn.get(_BE64.pack(sid), db=self._db_segs)
+            if raw is not None:
+                s = Segment.unpack(raw)
+                s.state = SEG_SEALED
+                txn.put(_BE64.pack(sid), s.pack(), db=self._db_segs)
+
+        self._write(seal)
+        self._drop_open(st)
+        self._close_retired(st)
+
+    def _open_segment(self, txn: lmdb.Transaction, st: _TierState, need: int, created: list[int]) -> int:
+        if st.open_seg is not None:
+            raw = txn.get(_BE64.pack(st.open_seg), db=self._db_segs)
+            if raw is not None:
+                s = Segment.unpack(raw)
+                if s.size + need <= self._segment_bytes(st) or s.size <= ALIGN:
+                    return st.open_seg
+                s.state = SEG_SEALED  # an empty sealed segment is removed by compaction
+                txn.put(_BE64.pack(st.open_seg), s.pack(), db=self._db_segs)
+            self._drop_open(st)
+        seg_id = self._add(txn, "next_segment", 1)
+        fd = st.io.create(seg_id)
+        created.append(seg_id)
+        txn.put(_BE64.pack(seg_id), Segment(st.tid, SEG_OPEN, os.getpid(), ALIGN, 0, 0, time.time()).pack(),
+                db=self._db_segs)
+        self._add(txn, f"used:{st.name}", ALIGN)
+        self._add(txn, "written_bytes", ALIGN)
+        st.open_seg, st.open_fd = seg_id, fd
+        return seg_id
+
+    # -- capacity and eviction ---------------------------------------------------
+    def _enforce_capacity(self, tier: str, incoming: int) -> int:
+        """Evict (LRU, never pinned) until ``incoming`` more bytes fit; returns chunks evicted."""
+        st = self._tier(tier)
+        cap = st.cfg.capacity
+        with self._read() as txn:
+            used = self._get_counter(txn, f"used:{tier}")
+        incoming += ALIGN  # room for a new segment's header
+        if used + incoming <= cap:
+            return 0
+        to_free = used + incoming - int(cap * self.config.low_watermark)
+        unlink: list[tuple[str, int]] = []
+
+        def fn(txn: lmdb.Transaction) -> int:
+            freed = 0
+            victims = []
+            for key in self.policy.victims(self, txn, st.tid):
+                if freed >= to_free:
+                    break
+                raw = txn.get(key, db=self._db_chunks)
+                if raw is None:
+                    continue
+                e = Entry.unpack(raw)
+                victims.append((key, e))
+                freed += e.rec_len
+            for key, e in victims:
+                self._unindex_entry(txn, key, e, unlink)
+            self._add(txn, "evicted", len(victims))
+            return len(victims)
+
+        n = self._write(fn)
+        self._unlink(unlink)
+        with self._read() as txn:
+            used = self._get_counter(txn, f"used:{tier}")
+        if used + incoming > cap:
+            # dead space in partly live segments: reclaim it now (rare with LRU, since
+            # old segments die whole)
+            self.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+            with self._read() as txn:
+                used = self._get_counter(txn, f"used:{tier}")
+            if used + incoming > cap and st.open_seg is not None:
+                self._seal_open(st)
+                self.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+        return n
+
+    def evict(self, keys: Iterable[bytes], force: bool = False) -> tuple[int, int]:
+        """Remove chunks by key; pinned ones only with ``force``. Returns (chunks, bytes)."""
+        unlink: list[tuple[str, int]] = []
+
+        def fn(txn: lmdb.Transaction) -> tuple[int, int]:
+            n = b = 0
+            for key in keys:
+                raw = txn.get(key, db=self._db_chunks)
+                if raw is None:
+                    continue
+                if not force:
+                    pin = txn.get(key, db=self._db_pins)
+                    if pin is not None and _PIN.unpack(pin)[0] > 0:
+                        continue
+                e = Entry.unpack(raw)
+                self._unindex_entry(txn, key, e, unlink)
+                n += 1
+                b += e.rec_len
+            self._add(txn, "evicted", n)
+            return n, b
+
+        with self._lock:
+            res = self._write(fn)
+            self._unlink(unlink)
+        return res
+
+    # -- compaction --------------------------------------------------------------
+    def compact(self, tier: str | None = None, min_dead_ratio: float | None = None,
+                until_free: int | None = None) -> tuple[int, int]:
+        """Rewrite the live records of sealed segments that are mostly dead; returns
+        (segments removed, bytes reclaimed)."""
+        ratio = self.config.compact_dead_ratio if min_dead_ratio is None else min_dead_ratio
+        tiers = [tier] if tier else list(self._tiers)
+        removed = reclaimed = 0
+        for tname in tiers:
+            st = self._tier(tname)
+            with self._read() as txn:
+                cands = []
+                for k, v in txn.cursor(db=self._db_segs):
+                    s = Segment.unpack(v)
+                    sid = _BE64.unpack(k)[0]
+                    if s.tier != st.tid or s.state != SEG_SEALED or sid == st.open_seg:
+                        continue
+                    dead = s.size - s.live_bytes - ALIGN
+                    if dead > 0 and dead >= ratio * s.size:
+                        cands.append((dead, sid, s))
+            cands.sort(reverse=True)
+            for dead, sid, s in cands:
+                if until_free is not None and reclaimed >= until_free:
+                    break
+                if self._compact_segment(st, sid):
+                    removed += 1
+                    reclaimed += s.size
+        return removed, reclaimed
+
+    def _compact_segment(self, st: _TierState, sid: int) -> bool:
+        with self._lock:
+            with self._read() as txn:
+                lo = _BE64.pack(sid) + _BE64.pack(0)
+                cur = txn.cursor(db=self._db_locs)
+                live = []
+                if cur.set_range(lo):
+                    for k, v in cur:
+                        if k[:8] != lo[:8]:
+                            break
+                        live.append((_BE64.unpack(k[8:16])[0], bytes(v)))
+            for off, key in live:
+                with self._read() as txn:
+                    raw = txn.get(key, db=self._db_chunks)
+                if raw is None:
+                    continue
+                e = Entry.unpack(raw)
+                if (e.seg, e.off) != (sid, off):
+                    continue
+                data = bytearray(e.stored_len)
+
+                def grab(h: Any, piece: memoryview, p0: int) -> None:
+                    data[p0 : p0 + len(piece)] = piece
+
+                try:
+                    hdr = st.io.read_record(sid, off, e.rec_len, grab)
+                except (CorruptRecord, SegmentGone):
+                    self._drop_corrupt(key, e)
+                    continue
+                if hdr.key != key:
+                    self._drop_corrupt(key, e)
+                    continue
+                header = encode_header(key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len,
+                                       hdr.checksum, hdr.created)
+                # reserve in our own open segment, without evicting (compaction frees space)
+                created: list[int] = []
+
+                def reserve(txn: lmdb.Transaction) -> tuple[int, int, int]:
+                    seg = self._open_segment(txn, st, e.rec_len, created)
+                    s = Segment.unpack(txn.get(_BE64.pack(seg), db=self._db_segs))
+                    o = s.size
+                    s.size += e.rec_len
+                    txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
+                    self._add(txn, f"used:{st.name}", e.rec_len)
+                    assert st.open_fd is not None
+                    return seg, o, st.open_fd
+
+                nseg, noff, fd = self._write(reserve)
+                n = st.io.write_record(fd, noff, header, data)
+                if self.config.fsync:
+                    st.io.sync(fd)
+                self._close_retired(st)
+                unlink: list[tuple[str, int]] = []
+
+                def move(txn: lmdb.Transaction) -> None:
+                    self._add(txn, "written_bytes", n)
+                    self._add(txn, "compacted_bytes", n)
+                    raw2 = txn.get(key, db=self._db_chunks)
+                    if raw2 is None:
+                        return
+                    cur_e = Entry.unpack(raw2)
+                    if (cur_e.seg, cur_e.off) != (sid, off):
+                        return
+                    self._unindex_entry(txn, key, cur_e, unlink)
+                    cur_e.seg, cur_e.off = nseg, noff
+                    self._index_entry(txn, key, cur_e)
+                    # the move is not an eviction: keep pins as they were
+                self._write(move)
+                self._unlink(unlink)
+            # the segment may still hold records of keys that were re-put elsewhere; when
+            # nothing live is left it is removed by _unindex_entry; make sure here too
+            unlink2: list[tuple[str, int]] = []
+
+            def finish(txn: lmdb.Transaction) -> bool:
+                raw = txn.get(_BE64.pack(sid), db=self._db_segs)
+                if raw is None:
+                    return True
+                s = Segment.unpack(raw)
+                if s.live_count > 0:
+                    return False
+                txn.delete(_BE64.pack(sid), db=self._db_segs)
+                self._add(txn, f"used:{st.name}", -s.size)
+                unlink2.append((st.name, sid))
+                return True
+
+            done = self._write(finish)
+            self._unlink(unlink2)
+            return done
+
+    # -- reading -----------------------------------------------------------------
+    def info(self, key: bytes) -> ChunkInfo | None:
+        with self._read() as txn:
+            raw = txn.get(key, db=self._db_chunks)
+            if raw is None:
+                return None
+            pin = txn.get(key, db=self._db_pins)
+        e = Entry.unpack(raw)
+        return self._chunk_info(key, e, _PIN.unpack(pin)[0] if pin else 0)
+
+    @staticmethod
+    def _chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
+        return ChunkInfo(key, e.tier_name, CODEC_NAMES.get(e.codec, str(e.codec)), e.stored_len,
+                         e.raw_len, e.rec_len, e.tokens, e.hits, e.created, e.last_access, refs,
+                         e.layout, e.seg, e.off)
+
+    def contains(self, key: bytes) -> bool:
+        with self._read() as txn:
+            return txn.get(key, db=self._db_chunks) is not None
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The tier of each key, or None where it is not stored (one read transaction)."""
+        out: list[str | None] = []
+        with self._read() as txn:
+            for k in keys:
+                raw = txn.get(k, db=self._db_chunks)
+                out.append(None if raw is None else TIER_NAMES[raw[_ENTRY_TIER_OFF]])
+        return out
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
+        """Longest cached prefix of ``tokens`` in namespace ``ns``."""
+        keys = ns.chunk_keys(tokens)
+        tiers = self.locate(keys)
+        hit = 0
+        for t in tiers:
+            if t is None:
+                break
+            hit += 1
+        size = ns.kv_format.chunk_size
+        return LookupResult(len(tokens), hit * size, size, keys, tiers)
+
+    def get(self, key: bytes) -> Chunk | None:
+        """Read and verify one chunk; None on a miss (absent, corrupt or foreign)."""
+        with self._read() as txn:
+            raw = txn.get(key, db=self._db_chunks)
+        if raw is None:
+            self._count_miss()
+            return None
+        out = bytearray(Entry.unpack(raw).raw_len)
+        res = self.get_into(key, out)
+        if res is None:
+            return None
+        return Chunk(key, out, res.layout, res.tokens, res.tier, res.codec)
+
+    def get_into(self, key: bytes, out: Buffer) -> ChunkInfo | None:
+        """Read one chunk into ``out`` (a writable buffer of at least its raw size).
+
+        Returns its metadata, or None on a miss. On a miss ``out`` may hold garbage.
+        A chunk whose bytes fail the checksum, or whose record names another key, is
+        removed from the index and counted as corrupt.
+        """
+        dst = memoryview(out).cast("B")
+        for _attempt in range(3):
+            with self._read() as txn:
+                raw = txn.get(key, db=self._db_chunks)
+            if raw is None:
+                self._count_miss()
+                return None
+            e = Entry.unpack(raw)
+            if len(dst) < e.raw_len:
+                raise StoreError(f"output buffer of {len(dst)} bytes is smaller than the chunk ({e.raw_len})")
+            st = self._tiers.get(e.tier_name)
+            if st is None:
+                self._count_miss()
+                return None
+            stored: bytearray | None = None if e.codec == 0 else bytearray(e.stored_len)
+
+            def consume(h: Any, piece: memoryview, p0: int) -> None:
+                if stored is None:
+                    dst[p0 : p0 + len(piece)] = piece
+                else:
+                    stored[p0 : p0 + len(piece)] = piece
+
+            try:
+                hdr = st.io.read_record(e.seg, e.off, e.rec_len, consume)
+                if hdr.key != key or hdr.checksum != e.checksum or hdr.stored_len != e.stored_len:
+                    raise CorruptRecord(f"record at segment {e.seg} offset {e.off} belongs to another key")
+                if stored is not None:
+                    itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
+                    plain = self.codec.decode(e.codec, stored, e.raw_len, itemsize)
+                    dst[: e.raw_len] = plain
+            except SegmentGone:
+                continue  # compacted under us: look the key up again
+            except (CorruptRecord, StoreError) as exc:
+                log.warning("dropping corrupt chunk %s: %s", key.hex()[:16], exc)
+                self._drop_corrupt(key, e)
+                self._count_miss()
+                return None
+            self._touch(key)
+            return self._chunk_info(key, e, 0)
+        self._count_miss()
+        return None
+
+    def _count_miss(self) -> None:
+        with self._lock:
+            self._stats_mem["misses"] += 1
+
+    def _drop_corrupt(self, key: bytes, e: Entry) -> None:
+        unlink: list[tuple[str, int]] = []
+
+        def fn(txn: lmdb.Transaction) -> None:
+            raw = txn.get(key, db=self._db_chunks)
+            if raw is None:
+                return
+            cur = Entry.unpack(raw)
+            if (cur.seg, cur.off) != (e.seg, e.off):
+                return
+            self._unindex_entry(txn, key, cur, unlink)
+            self._add(txn, "corrupt", 1)
+
+        with self._lock:
+            self._write(fn)
+            self._unlink(unlink)
+
+    def _touch(self, key: bytes) -> None:
+        with self._lock:
+            now = time.time()
+            prev = self._access.get(key)
+            self._access[key] = (now, (prev[1] if prev else 0) + 1)
+            self._stats_mem["hits"] += 1
+            due = time.monotonic() - self._last_flush >= self.config.access_flush_s
+        if due or len(self._access) > 10000:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write pending access times and hit/miss counts to the index."""
+        with self._lock:
+            pending, self._access = self._access, {}
+            stats, self._stats_mem = self._stats_mem, {"hits": 0, "misses": 0}
+            self._last_flush = time.monotonic()
+        if self.readonly or (not pending and not any(stats.values())):
+            return
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for key, (ts, hits) in pending.items():
+                raw = txn.get(key, db=self._db_chunks)
+                if raw is None:
+                    continue
+                e = Entry.unpack(raw)
+                txn.delete(bytes([e.tier]) + _BE64.pack(int(e.last_access * 1e9)) + key, db=self._db_lru)
+                e.last_access = max(e.last_access, ts)
+                e.hits += hits
+                txn.put(key, e.pack(), db=self._db_chunks)
+                txn.put(bytes([e.tier]) + _BE64.pack(int(e.last_access * 1e9)) + key, b"", db=self._db_lru)
+            for k, v in stats.items():
+                if v:
+                    self._add(txn, k, v)
+
+        self._write(fn)
+
+    # -- pins --------------------------------------------------------------------
+    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0) -> int:
+        """Pin ``keys`` under ``label``; keys need not be stored yet.
+
+        ``expected_bytes`` is what each not-yet-stored chunk will take on disk; it
+        counts against the pin budget until the chunk arrives. Returns the number of
+        pin references added (a label pins a key at most once). Raises
+        ``PinBudgetError`` (changing nothing) if the budget would be exceeded.
+        """
+        if not label or "\0" in label:
+            raise StoreError("a pin label must be a non-empty string without NUL")
+        lb = label.encode()
+        budget_tier = self.config.default_tier
+
+        def fn(txn: lmdb.Transaction) -> int:
+            added = 0
+            for key in keys:
+                if len(key) != KEY_BYTES:
+                    raise StoreError(f"chunk key must be {KEY_BYTES} bytes")
+                lk = lb + b"\0" + key
+                if txn.get(lk, db=self._db_labels) is not None:
+                    continue
+                txn.put(lk, _BE64.pack(int(time.time())), db=self._db_labels)
+                pin = txn.get(key, db=self._db_pins)
+                refs, reserved = _PIN.unpack(pin) if pin else (0, 0)
+                if refs == 0:
+                    raw = txn.get(key, db=self._db_chunks)
+                    if raw is not None:
+                        e = Entry.unpack(raw)
+                        self._add(txn, f"pinned:{e.tier_name}", e.rec_len)
+                    else:
+                        reserved = align_up(expected_bytes) if expected_bytes else 0
+                        self._add(txn, "pin_reserved", reserved)
+                txn.put(key, _PIN.pack(refs + 1, reserved), db=self._db_pins)
+                added += 1
+            for tname, st in self._tiers.items():
+                pinned = self._get_counter(txn, f"pinned:{tname}")
+                if tname == budget_tier:
+                    pinned += self._get_counter(txn, "pin_reserved")
+                if pinned > st.cfg.pin_budget_bytes:
+                    raise PinBudgetError(
+                        f"pin {label!r} would put {pinned} bytes pinned in tier {tname}, over its pin "
+                        f"budget of {st.cfg.pin_budget_bytes} bytes; unpin something or raise the budget")
+            return added
+
+        return self._write(fn)
+
+    def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
+        """Drop ``label``'s pins on ``keys`` (all of the label's keys when None).
+        Returns the number of pin references removed."""
+        lb = label.encode() + b"\0"
+
+        def fn(txn: lmdb.Transaction) -> int:
+            if keys is None:
+                cur = txn.cursor(db=self._db_labels)
+                targets = []
+                if cur.set_range(lb):
+                    for k in cur.iternext(values=False):
+                        if not k.startswith(lb):
+                            break
+                        targets.append(bytes(k[len(lb):]))
+            else:
+                targets = list(keys)
+            removed = 0
+            for key in targets:
+                if not txn.delete(lb + key, db=self._db_labels):
+                    continue
+                removed += 1
+                pin = txn.get(key, db=self._db_pins)
+                if pin is None:
+                    continue
+                refs, reserved = _PIN.unpack(pin)
+                refs -= 1
+                if refs <= 0:
+                    txn.delete(key, db=self._db_pins)
+                    raw = txn.get(key, db=self._db_chunks)
+                    if raw is not None:
+                        e = Entry.unpack(raw)
+                        self._add(txn, f"pinned:{e.tier_name}", -e.rec_len)
+                    else:
+                        self._add(txn, "pin_reserved", -reserved)
+                else:
+                    txn.put(key, _PIN.pack(refs, reserved), db=self._db_pins)
+            return removed
+
+        return self._write(fn)
+
+    def pin_refs(self, key: bytes) -> int:
+        with self._read() as txn:
+            pin = txn.get(key, db=self._db_pins)
+        return _PIN.unpack(pin)[0] if pin else 0
+
+    def labels(self) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        with self._read() as txn:
+            for k in txn.cursor(db=self._db_labels).iternext(values=False):
+                label, _, key = bytes(k).partition(b"\0")
+                out.setdefault(label.decode(), []).append(key)
+        return out
+
+    # -- listing and statistics --------------------------------------------------
+    def iter_chunks(self, prefix: bytes = b"") -> Iterator[ChunkInfo]:
+        """Metadata of every chunk whose key starts with ``prefix`` (e.g. a namespace id)."""
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db_chunks)
+            pins = txn.cursor(db=self._db_pins)
+            if not cur.set_range(prefix):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    return
+                key = bytes(k)
+                refs = _PIN.unpack(pins.value())[0] if pins.set_key(key) else 0
+                yield self._chunk_info(key, Entry.unpack(v), refs)
+
+    def stats(self) -> dict[str, Any]:
+        if not self.readonly:
+            self.flush()
+        with self._read() as txn:
+            c = {k: self._get_counter(txn, k) for k in (
+                "puts", "payload_bytes", "written_bytes", "hits", "misses", "corrupt", "evicted",
+                "rejected_full", "compacted_bytes", "pin_reserved")}
+            tiers = {}
+            for name, st in self._tiers.items():
+                segs = dead = 0
+                for _k, v in txn.cursor(db=self._db_segs):
+                    s = Segment.unpack(v)
+                    if s.tier == st.tid:
+                        segs += 1
+                        dead += max(0, s.size - s.live_bytes - ALIGN)
+                tiers[name] = {
+                    "chunks": self._get_counter(txn, f"count:{name}"),
+                    "bytes": self._get_counter(txn, f"live:{name}"),
+                    "disk_bytes": self._get_counter(txn, f"used:{name}"),
+                    "dead_bytes": dead,
+                    "segments": segs,
+                    "capacity": st.cfg.capacity,
+                    "pinned_bytes": self._get_counter(txn, f"pinned:{name}"),
+                    "pin_budget": st.cfg.pin_budget_bytes,
+                    "direct_io": st.io.direct,
+                    "path": st.io.dir,
+                }
+        wa = c["written_bytes"] / c["payload_bytes"] if c["payload_bytes"] else 0.0
+        return {"tiers": tiers, "counters": c, "write_amplification": wa}
+
+    # -- recovery and checks -----------------------------------------------------
+    def recover(self) -> list[Problem]:
+        """Seal segments whose writer died; drop registrations of vanished files."""
+        problems: list[Problem] = []
+        unlink: list[tuple[str, int]] = []
+
+        with self._read() as txn:
+            segs = [(_BE64.unpack(k)[0], Segment.unpack(v)) for k, v in txn.cursor(db=self._db_segs)]
+        for sid, s in segs:
+            tname = TIER_NAMES.get(s.tier)
+            st = self._tiers.get(tname or "")
+            if st is None or s.state != SEG_OPEN or sid == st.open_seg:
+                continue
+            path = st.io.path(sid)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue  # its writer is alive
+            try:
+                def seal(txn: lmdb.Transaction) -> None:
+                    raw = txn.get(_BE64.pack(sid), db=self._db_segs)
+                    if raw is None:
+                        return
+                    cur = Segment.unpack(raw)
+                    if cur.state != SEG_OPEN:
+                        return
+                    if fd < 0:
+                        # the file is gone: forget it and everything indexed in it
+                        for key, e in self._entries_in_segment(txn, sid):
+                            self._unindex_entry(txn, key, e, unlink)
+                        txn.delete(_BE64.pack(sid), db=self._db_segs)
+                        self._add(txn, f"used:{st.name}", -cur.size)
+                        problems.append(Problem("missing-segment", f"segment {sid} vanished"))
+                        return
+                    # bytes past the last indexed record were never made visible: cut them
+                    end = ALIGN
+                    for _key, e in self._entries_in_segment(txn, sid):
+                        end = max(end, e.off + e.rec_len)
+                    os.ftruncate(fd, end)
+                    self._add(txn, f"used:{st.name}", end - cur.size)
+                    cur.size = end
+                    cur.state = SEG_SEALED
+                    if cur.live_count == 0:
+                        txn.delete(_BE64.pack(sid), db=self._db_segs)
+                        self._add(txn, f"used:{st.name}", -cur.size)
+                        unlink.append((st.name, sid))
+                    else:
+                        txn.put(_BE64.pack(sid), cur.pack(), db=self._db_segs)
+                    problems.append(Problem("orphan-segment", f"sealed segment {sid} of a dead writer", True))
+
+                self._write(seal)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        self._unlink(unlink)
+        return problems
+
+    def _entries_in_segment(self, txn: lmdb.Transaction, sid: int) -> list[tuple[bytes, Entry]]:
+        lo = _BE64.pack(sid)
+        cur = txn.cursor(db=self._db_locs)
+        out = []
+        if cur.set_range(lo):
+            for k, v in cur:
+                if k[:8] != lo:
+                    break
+                raw = txn.get(v, db=self._db_chunks)
+                if raw is not None:
+                    out.append((bytes(v), Entry.unpack(raw)))
+        return out
+
+    def check(self, fix: bool = False, deep: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+        """Find (and with ``fix``, repair) inconsistencies between index and segments.
+
+        ``deep`` reads every payload and verifies its checksum. Fixes: drop index
+        entries whose bytes are bad or missing, delete segment files that no index
+        entry refers to (leftovers of crashed writers), and recount usage counters.
+        """
+        problems: list[Problem] = []
+        unlink: list[tuple[str, int]] = []
+        with self._read() as txn:
+            entries = [(bytes(k), Entry.unpack(v)) for k, v in txn.cursor(db=self._db_chunks)]
+            segs = {_BE64.unpack(k)[0]: Segment.unpack(v) for k, v in txn.cursor(db=self._db_segs)}
+        bad: list[tuple[bytes, Entry]] = []
+        for i, (key, e) in enumerate(entries):
+            if progress:
+                progress(i + 1, len(entries))
+            st = self._tiers.get(e.tier_name)
+            if st is None or e.seg not in segs:
+                problems.append(Problem("dangling-entry", f"{key.hex()[:16]} points to missing segment {e.seg}"))
+                bad.append((key, e))
+                continue
+            if not os.path.exists(st.io.path(e.seg)):
+                problems.append(Problem("missing-file", f"segment {e.seg} file is missing"))
+                bad.append((key, e))
+                continue
+            if deep:
+                try:
+                    hdr = st.io.read_record(e.seg, e.off, e.rec_len, lambda h, p, o: None)
+                    if hdr.key != key:
+                        raise CorruptRecord("foreign key")
+                except (CorruptRecord, SegmentGone) as exc:
+                    problems.append(Problem("corrupt-chunk", f"{key.hex()[:16]}: {exc}"))
+                    bad.append((key, e))
+        if fix and bad:
+            def drop(txn: lmdb.Transaction) -> None:
+                for key, e in bad:
+                    raw = txn.get(key, db=self._db_chunks)
+                    if raw is not None and (Entry.unpack(raw).seg, Entry.unpack(raw).off) == (e.seg, e.off):
+                        self._unindex_entry(txn, key, Entry.unpack(raw), unlink)
+                        self._add(txn, "corrupt", 1)
+
+            with self._lock:
+                self._write(drop)
+                self._unlink(unlink)
+            for p in problems:
+                p.fixed = True
+        # files on disk that the index does not know
+        for st in self._tiers.values():
+            for name in sorted(os.listdir(st.io.dir)):
+                if not (name.startswith("seg-") and name.endswith(".lseg")):
+                    continue
+                sid = int(name[4:-5])
+                if sid in segs or sid == st.open_seg:
+                    continue
+                p = Problem("orphan-file", f"{name} in tier {st.name} is not in the index")
+                if fix:
+                    try:
+                        fd = os.open(st.io.path(sid), os.O_RDONLY)
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            os.unlink(st.io.path(sid))
+                            p.fixed = True
+                        except BlockingIOError:
+                            p.detail += " (a live writer holds it; left alone)"
+                        finally:
+                            os.close(fd)
+                    except FileNotFoundError:
+                        p.fixed = True
+                problems.append(p)
+        problems.extend(self._recount(fix))
+        return problems
+
+    def _recount(self, fix: bool) -> list[Problem]:
+        problems: list[Problem] = []
+
+        def fn(txn: lmdb.Transaction) -> None:
+            want: dict[str, int] = {}
+            seg_live: dict[int, list[int]] = {}
+            for k, v in txn.cursor(db=self._db_chunks):
+                e = Entry.unpack(v)
+                t = e.tier_name
+                want[f"live:{t}"] = want.get(f"live:{t}", 0) + e.rec_len
+                want[f"count:{t}"] = want.get(f"count:{t}", 0) + 1
+                sl = seg_live.setdefault(e.seg, [0, 0])
+                sl[0] += e.rec_len
+                sl[1] += 1
+                pin = txn.get(k, db=self._db_pins)
+                if pin is not None and _PIN.unpack(pin)[0] > 0:
+                    want[f"pinned:{t}"] = want.get(f"pinned:{t}", 0) + e.rec_len
+            reserved = 0
+            for k, v in txn.cursor(db=self._db_pins):
+                refs, r = _PIN.unpack(v)
+                if refs and txn.get(k, db=self._db_chunks) is None:
+                    reserved += r
+            want["pin_reserved"] = reserved
+            for k, v in list(txn.cursor(db=self._db_segs)):
+                s = Segment.unpack(v)
+                t = TIER_NAMES[s.tier]
+                want[f"used:{t}"] = want.get(f"used:{t}", 0) + s.size
+                live, count = seg_live.get(_BE64.unpack(k)[0], [0, 0])
+                if (s.live_bytes, s.live_count) != (live, count):
+                    problems.append(Problem("segment-count", f"segment {_BE64.unpack(k)[0]} live "
+                                            f"{s.live_bytes}/{s.live_count}, index says {live}/{count}", fix))
+                    if fix:
+                        s.live_bytes, s.live_count = live, count
+                        txn.put(k, s.pack(), db=self._db_segs)
+            for t in self._tiers:
+                for c in ("live", "count", "pinned", "used"):
+                    want.setdefault(f"{c}:{t}", 0)
+            for name, v in want.items():
+                have = self._get_counter(txn, name)
+                if have != v:
+                    problems.append(Problem("counter", f"{name} is {have}, index says {v}", fix))
+                    if fix:
+                        txn.put(b"c:" + name.encode(), _U64.pack(v), db=self._db_meta)
+
+        if fix:
+            with self._lock:
+                self._write(fn)
+        else:
+            with self._read() as txn:
+                fn(txn)
+        return problems
+
+    def rebuild_index(self) -> int:
+        """Re-create index entries from the records in segment files alone.
+
+        For use after the index was lost: every record whose header and checksum
+        verify is indexed again (the first copy of a key wins). Returns the number
+        of chunks recovered.
+        """
+        found = 0
+        for st in self._tiers.values():
+            ids = sorted(int(n[4:-5]) for n in os.listdir(st.io.dir)
+                         if n.startswith("seg-") and n.endswith(".lseg"))
+            for sid in ids:
+                if sid == st.open_seg:
+                    continue
+                size = os.path.getsize(st.io.path(sid))
+                recs = []
+                for off, hdr in st.io.scan(sid, size):
+                    if hdr is not None and st.io.verify_payload(sid, off, hdr):
+                        recs.append((off, hdr))
+
+                def fn(txn: lmdb.Transaction, sid: int = sid, size: int = size,
+                       recs: list[Any] = recs) -> int:
+                    n = 0
+                    if txn.get(_BE64.pack(sid), db=self._db_segs) is None:
+                        txn.put(_BE64.pack(sid), Segment(st.tid, SEG_SEALED, 0, size, 0, 0, time.time()).pack(),
+                                db=self._db_segs)
+                        self._add(txn, f"used:{st.name}", size)
+                    if self._get_counter(txn, "next_segment") < sid:
+                        txn.put(b"c:next_segment", _U64.pack(sid), db=self._db_meta)
+                    for off, hdr in recs:
+                        if txn.get(hdr.key, db=self._db_chunks) is not None:
+                            continue
+                        e = Entry(sid, off, hdr.record_len, hdr.stored_len, hdr.raw_len, hdr.checksum,
+                                  int(hdr.meta.get("tokens", 0)), 0, hdr.codec, st.tid, hdr.created,
+                                  hdr.created, hdr.meta.get("layout", {}))
+                        self._index_entry(txn, hdr.key, e)
+                        n += 1
+                    return n
+
+                with self._lock:
+                    found += self._write(fn)
+        return found
+
+    # -- lifecycle ---------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        if os.getpid() == self._pid:
+            try:
+                self.flush()
+            except StoreError:
+                pass
+            for st in self._tiers.values():
+                if not self.readonly:
+                    self._seal_open(st)
+                self._close_retired(st)
+                st.io.close()
+            self._env.close()
+        self._closed = True
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

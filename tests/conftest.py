@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from store import GiB, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def content(key: bytes, n: int) -> bytes:
+    """Deterministic payload for a key, so any process can check what it reads."""
+    seed = hashlib.sha256(key).digest()
+    reps = n // len(seed) + 1
+    block = hashlib.shake_256(seed).digest(min(n, 1 << 16))
+    out = (block * (n // len(block) + 1))[:n]
+    # make every 64 KiB window unique to the key and position
+    mv = bytearray(out)
+    for i in range(0, n, 1 << 16):
+        mv[i : i + 8] = i.to_bytes(8, "little")
+    del reps
+    return bytes(mv)
+
+
+SMALL_FMT = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, chunk_size=16)
+SMALL_LAYOUT = {"dtype": "bfloat16", "shape": list(SMALL_FMT.chunk_shape)}
+
+
+@pytest.fixture
+def ns() -> Namespace:
+    return Namespace("test-model", SMALL_FMT)
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
+    opened: list[Store] = []
+
+    def make(path: Path | None = None, capacity: int = 1 * GiB, segment_bytes: int = 4 * MiB,
+             **kw: object) -> Store:
+        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity, pin_budget=kw.pop("pin_budget", 0.5))},
+                          segment_bytes=segment_bytes, **kw)  # type: ignore[arg-type]
+        s = Store(path or tmp_path / "store", cfg)
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def store(make_store: Callable[..., Store]) -> Store:
+    return make_store()
+
+
+def env_with_path() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -1,0 +1,57 @@
+"""A writer process for crash and concurrency tests (run as a script).
+
+usage: proc_writer.py STORE START COUNT SIZE CAPACITY [MODE]
+MODE: "loop" (default), "die-after-write" (SIGKILL itself right after writing the
+payload of the 3rd chunk, before its index commit) or "die-mid-write" (after half of it).
+Prints "put I" after each acknowledged put.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from conftest import content  # noqa: E402
+
+from store import Store, StoreConfig, TierConfig  # noqa: E402
+from store.segment import SegmentIO  # noqa: E402
+
+
+def key(i: int) -> bytes:
+    return b"\x01" * 16 + i.to_bytes(32, "big")
+
+
+def main() -> None:
+    path, start, count, size, capacity = sys.argv[1], *map(int, sys.argv[2:6])
+    mode = sys.argv[6] if len(sys.argv) > 6 else "loop"
+    if mode.startswith("die"):
+        real = SegmentIO.write_record
+        calls = {"n": 0}
+
+        def faulty(self, fd, offset, header, payload):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 3:
+                if mode == "die-mid-write":
+                    half = memoryview(payload)[: len(memoryview(payload)) // 2]
+                    real(self, fd, offset, header, half)
+                else:
+                    real(self, fd, offset, header, payload)
+                os.fsync(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, fd, offset, header, payload)
+
+        SegmentIO.write_record = faulty  # type: ignore[method-assign]
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity)}, segment_bytes=max(64 << 10, size * 4))
+    store = Store(path, cfg)
+    for i in range(start, start + count):
+        k = key(i)
+        store.put(k, content(k, size), {"dtype": "uint8"}, tokens=256)
+        print(f"put {i}", flush=True)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The store: round trips, integrity, capacity, eviction, pins, restart, compaction."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_FMT, SMALL_LAYOUT, content
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from store import (
+    MiB,
+    Namespace,
+    PinBudgetError,
+    PutItem,
+    Store,
+    StoreConfig,
+    StoreError,
+    TierConfig,
+)
+from store.codec import Codec, shuffle, unshuffle
+from store.tensors import pack, unpack
+
+MakeStore = Callable[..., Store]
+CHUNK = SMALL_FMT.chunk_bytes  # 16 KiB
+
+
+def key(i: int) -> bytes:
+    return b"\x01" * 16 + i.to_bytes(32, "big")
+
+
+def fill(store: Store, n: int, size: int = CHUNK, start: int = 0) -> list[bytes]:
+    keys = [key(i) for i in range(start, start + n)]
+    for k in keys:
+        assert store.put(k, content(k, size), {"dtype": "uint8"}, tokens=16)
+    return keys
+
+
+# -- codecs and dtypes -------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["raw", "zstd", "zstd-shuffle"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, "fp8"])
+def test_round_trip_every_codec_and_dtype(store: Store, codec: str, dtype: object) -> None:
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 2, 16, 2, 32)
+    if dtype == "fp8":
+        t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)  # 1-byte fp8 as bytes
+    else:
+        t = (torch.randn(shape, generator=g) * 3).to(dtype)  # type: ignore[arg-type]
+    data, layout = pack(t)
+    k = key(hash((codec, str(dtype))) & 0xFFFF)
+    assert store.put(k, data, layout, tokens=16, codec=codec)
+    c = store.get(k)
+    assert c is not None and c.codec == codec
+    back = unpack(c.data, c.layout)
+    assert back.dtype == t.dtype and back.shape == t.shape
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_shuffle_compresses_bf16_kv_better_than_plain_zstd(store: Store) -> None:
+    # smooth activations: the high byte of bf16 carries little entropy
+    t = (torch.randn(4, 2, 64, 4, 64) * 0.5).to(torch.bfloat16)
+    data, layout = pack(t)
+    assert store.put(key(1), data, layout, codec="zstd")
+    assert store.put(key(2), data, layout, codec="zstd-shuffle")
+    plain, shuf = store.info(key(1)), store.info(key(2))
+    assert plain is not None and shuf is not None
+    assert shuf.stored_bytes < plain.stored_bytes < len(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=4096), itemsize=st.sampled_from([1, 2, 4]),
+       codec=st.sampled_from([0, 1, 2]))
+def test_codec_property_lossless(data: bytes, itemsize: int, codec: int) -> None:
+    c = Codec()
+    enc = c.encode(codec, data, itemsize)
+    assert bytes(c.decode(codec, enc, len(data), itemsize)) == data
+    assert bytes(unshuffle(shuffle(data, itemsize), itemsize)) == data
+
+
+def test_put_is_idempotent_and_get_into_reuses_buffer(store: Store) -> None:
+    k = key(7)
+    data = content(k, CHUNK)
+    assert store.put(k, data, SMALL_LAYOUT, tokens=16)
+    assert not store.put(k, b"\0" * CHUNK, SMALL_LAYOUT, tokens=16)  # first copy wins
+    out = np.zeros(CHUNK * 2, dtype=np.uint8)
+    info = store.get_into(k, out)
+    assert info is not None and info.raw_bytes == CHUNK and info.tokens == 16
+    assert out[:CHUNK].tobytes() == data
+    with pytest.raises(StoreError, match="smaller"):
+        store.get_into(k, bytearray(10))
+
+
+def test_lookup_longest_prefix(store: Store, ns: Namespace) -> None:
+    toks = list(range(100))  # 6 full chunks of 16
+    keys = ns.chunk_keys(toks)
+    for k in keys[:3] + keys[4:]:
+        store.put(k, content(k, CHUNK), SMALL_LAYOUT, tokens=16)
+    res = store.lookup(ns, toks)
+    assert res.total_tokens == 100 and res.hit_tokens == 48 and res.hit_chunks == 3
+    assert res.tiers == ["nvme", "nvme", "nvme", None, "nvme", "nvme"]
+    other = Namespace("other-model", SMALL_FMT)
+    assert store.lookup(other, toks).hit_tokens == 0
+
+
+# -- integrity ---------------------------------------------------------------------
+def _flip_byte_of(store: Store, k: bytes, where: str = "payload") -> None:
+    info = store.info(k)
+    assert info is not None
+    path = Path(store.path) / "nvme" / f"seg-{info.segment:012d}.lseg"
+    pos = info.offset + (info.disk_bytes - 4096 - 1 if where == "payload" else 20)
+    pos = min(pos, info.offset + info.disk_bytes - 1)
+    if where == "payload":
+        pos = info.offset + 4096 // 2 + 200  # inside the payload (header is < 1 KiB)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd-shuffle"])
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_flipped_byte_is_a_miss_never_wrong_bytes(store: Store, codec: str, where: str) -> None:
+    keys = [key(i) for i in range(3)]
+    for k in keys:
+        store.put(k, content(k, CHUNK), {"dtype": "bfloat16"}, tokens=16, codec=codec)
+    _flip_byte_of(store, keys[1], where)
+    os.sync()
+    assert store.get(keys[1]) is None
+    assert not store.contains(keys[1])  # dropped from the index
+    assert store.stats()["counters"]["corrupt"] == 1
+    for k in (keys[0], keys[2]):
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+
+
+def test_record_of_another_key_is_a_miss(store: Store) -> None:
+    """An index entry that points at another chunk's record (a foreign chunk) is never served."""
+    a, b = key(1), key(2)
+    store.put(a, content(a, CHUNK), SMALL_LAYOUT)
+    store.put(b, content(b, CHUNK), SMALL_LAYOUT)
+    from store.store import Entry
+
+    with store._env.begin(write=True) as txn:
+        ea = Entry.unpack(txn.get(a, db=store._db_chunks))
+        eb = Entry.unpack(txn.get(b, db=store._db_chunks))
+        eb.seg, eb.off, eb.checksum = ea.seg, ea.off, ea.checksum
+        txn.put(b, eb.pack(), db=store._db_chunks)
+    assert store.get(b) is None
+    c = store.get(a)
+    assert c is not None and bytes(c.data) == content(a, CHUNK)
+
+
+def test_deep_check_finds_and_fixes_corruption(store: Store) -> None:
+    keys = fill(store, 5)
+    _flip_byte_of(store, keys[3])
+    problems = store.check(deep=True)
+    assert [p.kind for p in problems] == ["corrupt-chunk"]
+    fixed = store.check(deep=True, fix=True)
+    assert any(p.kind == "corrupt-chunk" and p.fixed for p in fixed)
+    assert store.check(deep=True) == []
+    assert store.locate(keys) == ["nvme", "nvme", "nvme", None, "nvme"]
+
+
+# -- capacity, eviction, pins ------------------------------------------------------
+def test_capacity_eviction_and_pins_together(make_store: MakeStore) -> None:
+    per = CHUNK + 4096  # one record on disk (payload + header, 4 KiB aligned)
+    store = make_store(capacity=40 * per, segment_bytes=1 * MiB, pin_budget=0.5)
+    pinned = fill(store, 5)
+    assert store.pin("system-prompt", pinned) == 5
+    hot = fill(store, 5, start=100)
+    for i in range(200, 400):
+        k = key(i)
+        assert store.put(k, content(k, CHUNK), {"dtype": "uint8"})
+        if i % 10 == 0:  # keep the hot set recently used
+            for h in hot:
+                assert store.get(h) is not None
+            store.flush()
+        st = store.stats()["tiers"]["nvme"]
+        assert st["disk_bytes"] <= st["capacity"]
+    assert store.locate(pinned) == ["nvme"] * 5  # pinned chunks never evicted
+    assert store.locate(hot) == ["nvme"] * 5  # LRU keeps recently used chunks
+    assert store.locate([key(200), key(201)]) == [None, None]  # old, cold chunks went first
+    for k in pinned:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+    assert store.stats()["counters"]["evicted"] > 100
+    assert store.check(deep=True) == []
+
+
+def test_pin_refcount_by_label_durable_and_forward(make_store: MakeStore, tmp_path: Path) -> None:
+    store = make_store()
+    keys = [key(i) for i in range(4)]
+    assert store.pin("doc-a", keys[:3]) == 3  # none stored yet: pins may come first
+    assert store.pin("doc-a", keys[:3]) == 0  # a label pins a key once
+    assert store.pin("doc-b", keys[2:]) == 2
+    assert [store.pin_refs(k) for k in keys] == [1, 1, 2, 1]
+    for k in keys:
+        store.put(k, content(k, CHUNK), SMALL_LAYOUT)
+    store.close()
+    store = make_store(tmp_path / "store")
+    assert [store.pin_refs(k) for k in keys] == [1, 1, 2, 1]
+    assert store.evict(keys) == (0, 0)  # all pinned
+    assert store.unpin("doc-a") == 3
+    assert [store.pin_refs(k) for k in keys] == [0, 0, 1, 1]
+    n, _ = store.evict(keys)
+    assert n == 2 and store.locate(keys) == [None, None, "nvme", "nvme"]
+    assert store.evict(keys, force=True)[0] == 2
+    assert store.labels() == {"doc-b": keys[2:]}
+    assert store.check() == []
+
+
+def test_pin_budget_refuses_clearly_and_changes_nothing(make_store: MakeStore) -> None:
+    per = CHUNK + 4096
+    store = make_store(capacity=100 * per, pin_budget=10 * per)
+    keys = fill(store, 12)
+    assert store.pin("fits", keys[:8]) == 8
+    with pytest.raises(PinBudgetError, match="pin budget"):
+        store.pin("too-much", keys[8:12])
+    assert [store.pin_refs(k) for k in keys[8:]] == [0, 0, 0, 0]
+    assert "too-much" not in store.labels()
+    # not-yet-stored chunks count with their expected size
+    with pytest.raises(PinBudgetError):
+        store.pin("future", [key(900 + i) for i in range(3)], expected_bytes=per)
+    assert store.pin("future", [key(900)], expected_bytes=per) == 1
+    assert store.check() == []
+
+
+def test_capacity_enforced_right_after_restart(make_store: MakeStore, tmp_path: Path) -> None:
+    per = CHUNK + 4096
+    store = make_store(capacity=100 * per, segment_bytes=64 * per)
+    keys = fill(store, 80)
+    store.pin("keep", keys[:5])
+    store.close()
+    store = make_store(tmp_path / "store", capacity=30 * per, segment_bytes=64 * per)
+    st = store.stats()["tiers"]["nvme"]
+    assert st["disk_bytes"] <= 30 * per
+    assert store.locate(keys[:5]) == ["nvme"] * 5
+    assert store.check(deep=True) == []
+
+
+def test_chunk_larger_than_tier_is_dropped_not_raised(make_store: MakeStore) -> None:
+    store = make_store(capacity=2 * MiB)
+    assert store.put(key(1), b"x" * (3 * MiB), {"dtype": "uint8"}) is False
+    assert store.stats()["counters"]["rejected_full"] == 1
+
+
+# -- restart, compaction, rebuild --------------------------------------------------
+def test_warm_restart_keeps_every_chunk(make_store: MakeStore, tmp_path: Path) -> None:
+    store = make_store(segment_bytes=1 * MiB)
+    keys = fill(store, 150)  # spans several segments
+    before = store.stats()["tiers"]["nvme"]
+    store.close()
+    store = make_store(tmp_path / "store", segment_bytes=1 * MiB)
+    after = store.stats()["tiers"]["nvme"]
+    assert after["chunks"] == before["chunks"] == 150
+    for k in keys:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+    assert store.check(deep=True) == []
+
+
+def test_compaction_reclaims_evicted_space(make_store: MakeStore) -> None:
+    store = make_store(segment_bytes=1 * MiB)
+    keys = fill(store, 200)
+    store.close_open = None  # noqa: B018 (no-op, keeps the store object)
+    store.evict(keys[::2])  # half of every segment dies
+    st = store.stats()
+    dead_before = st["tiers"]["nvme"]["dead_bytes"]
+    disk_before = st["tiers"]["nvme"]["disk_bytes"]
+    assert dead_before > 1 * MiB
+    removed, reclaimed = store.compact(min_dead_ratio=0.3)
+    assert removed > 0 and reclaimed > 0
+    st = store.stats()
+    assert st["tiers"]["nvme"]["disk_bytes"] < disk_before
+    assert st["counters"]["compacted_bytes"] > 0
+    assert st["write_amplification"] > 1.0
+    for k in keys[1::2]:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+    assert store.check(deep=True) == []
+    used = sum(os.path.getsize(Path(store.path) / "nvme" / f) for f in os.listdir(Path(store.path) / "nvme"))
+    assert used == st["tiers"]["nvme"]["disk_bytes"]  # what is on disk is what is counted
+
+
+def test_index_rebuilt_from_segments_alone(make_store: MakeStore, tmp_path: Path) -> None:
+    store = make_store(segment_bytes=1 * MiB)
+    keys = fill(store, 60)
+    store.close()
+    shutil.rmtree(tmp_path / "store" / "index")
+    store = make_store(tmp_path / "store", segment_bytes=1 * MiB)
+    assert store.locate(keys[:1]) == [None]
+    assert store.rebuild_index() == 60
+    for k in keys:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+    assert [p for p in store.check(deep=True) if not p.fixed] == []
+
+
+def test_configuration_is_kept_inside_the_store(tmp_path: Path) -> None:
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=123 * MiB)}, codec="zstd-shuffle")
+    with Store(tmp_path / "s", cfg):
+        pass
+    with Store(tmp_path / "s") as s:
+        assert s.config.tiers["nvme"].capacity == 123 * MiB and s.config.codec == "zstd-shuffle"
+    with pytest.raises(StoreError, match="unknown codec"):
+        Store(tmp_path / "t", StoreConfig(codec="lz5"))
+    with pytest.raises(StoreError, match="not configured"):
+        with Store(tmp_path / "s") as s:
+            s.put_many([PutItem(key(1), b"x", {})], tier="dram")
+
+
+def test_dram_tier_on_tmpfs_reads_before_nvme(tmp_path: Path) -> None:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    dram = Path(shm) / f"lmctl-test-{os.getpid()}"
+    try:
+        cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(dram)),
+                                 "nvme": TierConfig(capacity=64 * MiB)})
+        with Store(tmp_path / "s", cfg) as s:
+            s.put_many([PutItem(key(1), content(key(1), CHUNK), SMALL_LAYOUT)], tier="dram")
+            s.put(key(2), content(key(2), CHUNK), SMALL_LAYOUT)
+            assert s.locate([key(1), key(2)]) == ["dram", "nvme"]
+            c = s.get(key(1))
+            assert c is not None and c.tier == "dram" and bytes(c.data) == content(key(1), CHUNK)
+    finally:
+        shutil.rmtree(dram, ignore_errors=True)
+
+
+def test_batch_that_crosses_a_segment_boundary(make_store: MakeStore) -> None:
+    """One put batch larger than a segment: every record lands in the file its index names."""
+    store = make_store(segment_bytes=64 * 1024)
+    keys = [key(i) for i in range(20)]
+    items = [PutItem(k, content(k, CHUNK), SMALL_LAYOUT, 16) for k in keys]
+    assert all(store.put_many(items))
+    assert len({store.info(k).segment for k in keys}) > 3  # type: ignore[union-attr]
+    for k in keys:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, CHUNK)
+    assert store.stats()["counters"]["corrupt"] == 0
