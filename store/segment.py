@@ -5,7 +5,8 @@ whose id is in the index and who holds an exclusive ``flock`` on the file) and n
 rewritten: records are appended at 4 KiB-aligned offsets and, once indexed, their
 bytes never change. Segments are removed whole after compaction.
 
-Record layout (all integers little-endian)::
+Record layout: the payload first, at a 4 KiB-aligned offset, zero-padded to a
+multiple of 4 KiB, then one 4 KiB trailer that describes it (integers little-endian)::
 
     0   magic        8s  b"LMCTLREC"
     8   version      H
@@ -17,14 +18,17 @@ Record layout (all integers little-endian)::
     24  raw_len      Q   payload bytes after decoding
     32  checksum     Q   xxh3-64 of the stored payload
     40  created      d   unix time
-    48  hdr_crc      I   crc32 of bytes 0..47 + key + meta
+    48  crc          I   crc32 of bytes 0..47 + key + meta
     52  reserved     12x
-    64  key, meta (JSON: layout, tokens), zero padding to a multiple of 64
-    ..  payload (stored_len bytes), zero padding to a multiple of 4096
+    64  key, meta (JSON: layout, tokens), zero padding to 4096
 
 Every record is self-describing, so the index can be rebuilt from segments alone.
-Large transfers are split into pieces and pipelined through one I/O thread, so
-that copying and hashing overlap with the disk.
+The trailer comes last because it carries the payload's checksum, computed while the
+payload streams out; it goes to disk in the same write as the payload's last piece,
+so a record is one sequential append. Payloads are page-aligned, so page-aligned
+buffers go to and from the disk with O_DIRECT and no copy; others pass through
+reused aligned staging buffers. Large transfers are split into pieces pipelined
+through one I/O thread, so hashing and copying overlap the disk.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ SEG_VERSION = 1
 _REC = struct.Struct("<8sHBBHHQQQdI12x")
 _SEG = struct.Struct("<8sHQd")
 REC_FIXED = _REC.size  # 64
-MAX_HEADER = ALIGN
+HEADER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
+MAX_HEADER = HEADER_BLOCK
 assert REC_FIXED == 64
 
 
@@ -69,6 +74,18 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+def record_len(stored_len: int) -> int:
+    return HEADER_BLOCK + align_up(stored_len)
+
+
+def is_aligned(view: memoryview) -> bool:
+    import numpy as np
+
+    if len(view) == 0:
+        return False
+    return bool(np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0)
 
 
 def segment_name(seg_id: int) -> str:
@@ -88,7 +105,12 @@ class RecordHeader:
 
     @property
     def record_len(self) -> int:
-        return align_up(self.header_len + self.stored_len)
+        return self.header_len + align_up(self.stored_len)
+
+    @property
+    def trailer_offset(self) -> int:
+        """Offset of the trailer from the record's start."""
+        return align_up(self.stored_len)
 
 
 def encode_header(
@@ -101,10 +123,9 @@ def encode_header(
     crc = zlib.crc32(body[:48] + key + meta_b)
     body = body[:48] + struct.pack("<I", crc) + body[52:]
     hdr = body + key + meta_b
-    total = align_up(len(hdr), 64)
-    if total > MAX_HEADER:
-        raise StoreError(f"record header of {total} bytes is over {MAX_HEADER}; shorten the metadata")
-    return hdr + b"\0" * (total - len(hdr))
+    if len(hdr) > HEADER_BLOCK:
+        raise StoreError(f"record header of {len(hdr)} bytes is over {HEADER_BLOCK}; shorten the metadata")
+    return hdr + b"\0" * (HEADER_BLOCK - len(hdr))
 
 
 def decode_header(buf: Buffer) -> RecordHeader | None:
@@ -117,7 +138,7 @@ def decode_header(buf: Buffer) -> RecordHeader | None:
     if magic != REC_MAGIC or version != REC_VERSION:
         return None
     end = REC_FIXED + key_len + meta_len
-    if end > min(len(mv), MAX_HEADER):
+    if end > min(len(mv), HEADER_BLOCK):
         return None
     key = bytes(mv[REC_FIXED : REC_FIXED + key_len])
     meta_b = bytes(mv[REC_FIXED + key_len : end])
@@ -127,7 +148,7 @@ def decode_header(buf: Buffer) -> RecordHeader | None:
         meta = json.loads(meta_b)
     except ValueError:
         return None
-    return RecordHeader(codec, key, meta, stored_len, raw_len, csum, created, align_up(end, 64))
+    return RecordHeader(codec, key, meta, stored_len, raw_len, csum, created, HEADER_BLOCK)
 
 
 class AlignedPool:
@@ -218,46 +239,68 @@ class SegmentIO:
             self.pool.give(buf)
         return fd
 
-    def write_record(self, fd: int, offset: int, header: bytes, payload: Buffer) -> int:
-        """Write one record at ``offset`` (aligned); return the bytes written (padded)."""
+    def write_record(self, fd: int, offset: int, payload: Buffer,
+                     make_header: Callable[[int], bytes]) -> tuple[int, int]:
+        """Append a record at ``offset`` and wait for it; returns (bytes written, checksum)."""
+        return self.start_write(fd, offset, payload, make_header).result()
+
+    def start_write(self, fd: int, offset: int, payload: Buffer,
+                    make_header: Callable[[int], bytes]) -> PendingWrite:
+        """Start appending a record at ``offset``: the payload, then its trailer.
+
+        ``make_header(checksum)`` builds the trailer once the payload's checksum is
+        known; it goes out in the same write as the payload's last piece. The writes
+        run on the I/O thread, so the caller can hash the next record meanwhile;
+        ``result()`` waits for them. ``payload`` must stay unchanged until then.
+        """
         pay = memoryview(payload).cast("B")
-        total = align_up(len(header) + len(pay))
-        piece = min(PIECE, total)
-        bufs = [self.pool.take(piece), self.pool.take(piece)]
-        pending: list[Future[int] | None] = [None, None]
+        n = len(pay)
+        body = align_up(n)
+        hasher = xxhash.xxh3_64()
+        zero_copy = self.direct and is_aligned(pay)
+        pw = PendingWrite(self.pool, body + HEADER_BLOCK)
+        trailer = self.pool.take(HEADER_BLOCK)
+        pw.buffers.append(trailer)
+        staging: list[mmap.mmap] = []
+        inflight: list[Future[int] | None] = [None, None]
         try:
-            pos = 0  # position within the record
-            src_parts = [memoryview(header), pay]
-            part, part_off = 0, 0
-            i = 0
-            while pos < total:
-                n = min(piece, total - pos)
-                slot = i % 2
-                fut = pending[slot]
-                if fut is not None:
-                    fut.result()
-                buf = bufs[slot]
-                filled = 0
-                while filled < n and part < len(src_parts):
-                    src = src_parts[part]
-                    take = min(n - filled, len(src) - part_off)
-                    buf[filled : filled + take] = src[part_off : part_off + take]
-                    filled += take
-                    part_off += take
-                    if part_off == len(src):
-                        part, part_off = part + 1, 0
-                if filled < n:
-                    buf[filled:n] = bytes(n - filled)
-                pending[slot] = self._io.submit(_pwrite_all, fd, memoryview(buf)[:n], offset + pos)
-                pos += n
-                i += 1
-            for fut in pending:
-                if fut is not None:
-                    fut.result()
-        finally:
-            for b in bufs:
-                self.pool.give(b)
-        return total
+            spans = [(a, min(a + PIECE, body)) for a in range(0, body, PIECE)] or [(0, 0)]
+            for i, (a, b) in enumerate(spans):
+                m = b - a
+                piece = pay[a:b]
+                hasher.update(piece)
+                slot = -1
+                views: list[memoryview]
+                if (zero_copy or not self.direct) and len(piece) == m:
+                    views = [piece]  # whole piece straight from the source
+                elif not self.direct:
+                    views = [piece, memoryview(bytes(m - len(piece)))]
+                else:
+                    if not staging:
+                        cap = min(PIECE, max(body, ALIGN))
+                        staging = [self.pool.take(cap), self.pool.take(cap)]
+                        pw.buffers.extend(staging)
+                    slot = i % 2
+                    prev = inflight[slot]
+                    if prev is not None:
+                        prev.result()
+                    buf = staging[slot]
+                    buf[: len(piece)] = piece
+                    if len(piece) < m:
+                        buf[len(piece) : m] = bytes(m - len(piece))
+                    views = [memoryview(buf)[:m]]
+                if i == len(spans) - 1:
+                    pw.checksum = hasher.intdigest()
+                    trailer[:HEADER_BLOCK] = make_header(pw.checksum)
+                    views.append(memoryview(trailer)[:HEADER_BLOCK])
+                fut = self._io.submit(_pwritev_all, fd, [v for v in views if len(v)], offset + a)
+                pw.futures.append(fut)
+                if slot >= 0:
+                    inflight[slot] = fut
+        except BaseException:
+            pw.cancel()
+            raise
+        return pw
 
     def sync(self, fd: int) -> None:
         os.fdatasync(fd)
@@ -287,85 +330,110 @@ class SegmentIO:
         if fd is not None:
             os.close(fd)
 
-    def read_record(
-        self, seg_id: int, offset: int, record_len: int,
-        consume: Callable[[RecordHeader, memoryview, int], None],
-    ) -> RecordHeader:
-        """Read a record and stream its payload to ``consume(header, piece, payload_offset)``.
+    def read_record(self, seg_id: int, offset: int, stored_len: int,
+                    dst: memoryview | None) -> RecordHeader:
+        """Read a record's payload into ``dst[:stored_len]`` and verify it.
 
-        Reads are pipelined: piece k+1 is in flight while piece k is consumed. The
-        stored checksum is verified over the streamed payload; a mismatch, a bad
-        header or a short read raises ``CorruptRecord``.
+        With ``dst=None`` the payload is only verified. A page-aligned ``dst`` is read
+        into directly (O_DIRECT, no copy). Reads are pipelined: piece k+1 is in
+        flight while piece k is hashed. A bad trailer, a short read or a checksum
+        mismatch raises ``CorruptRecord``; a removed segment raises ``SegmentGone``.
         """
         try:
             fd = self._fd(seg_id)
         except FileNotFoundError:
             raise SegmentGone(seg_id) from None
-        piece = min(PIECE, record_len)
-        bufs = [self.pool.take(piece), self.pool.take(piece)]
+        body = align_up(stored_len)
+        direct_dst = dst is not None and self.direct and is_aligned(dst)
+        spans = [(a, min(a + PIECE, body)) for a in range(0, body, PIECE)] or [(0, 0)]
+        size = min(PIECE, max(body, ALIGN))
+        trailer = self.pool.take(HEADER_BLOCK)
+        bufs = [self.pool.take(size), self.pool.take(size)]
+        futs: list[Future[int]] = []
+
+        def target(k: int) -> tuple[memoryview, bool]:
+            a, b = spans[k]
+            if direct_dst and dst is not None and b <= len(dst):
+                return dst[a:b], True
+            return memoryview(bufs[k % 2])[: b - a], False
+
+        def fetch(k: int) -> Future[int]:
+            views = [target(k)[0]]
+            if k == len(spans) - 1:
+                views.append(memoryview(trailer)[:HEADER_BLOCK])
+            f = self._io.submit(_preadv_all, fd, [v for v in views if len(v)], offset + spans[k][0])
+            futs.append(f)
+            return f
+
         try:
-            spans = [(a, min(a + piece, record_len)) for a in range(0, record_len, piece)]
-
-            def fetch(k: int) -> Future[int]:
-                a, b = spans[k]
-                return self._io.submit(_pread_all, fd, memoryview(bufs[k % 2])[: b - a], offset + a)
-
-            fut = fetch(0)
-            hdr: RecordHeader | None = None
             hasher = xxhash.xxh3_64()
+            nxt = fetch(0)
             for k, (a, b) in enumerate(spans):
-                got = fut.result()
-                if got != b - a:
+                got = nxt.result()
+                want = b - a + (HEADER_BLOCK if k == len(spans) - 1 else 0)
+                if got != want:
                     raise CorruptRecord(f"short read in segment {seg_id} at {offset + a}")
                 if k + 1 < len(spans):
-                    fut = fetch(k + 1)
-                view = memoryview(bufs[k % 2])[: b - a]
-                lo = 0
-                if k == 0:
-                    hdr = decode_header(view[: min(len(view), MAX_HEADER)])
-                    if hdr is None:
-                        raise CorruptRecord(f"bad record header in segment {seg_id} at {offset}")
-                    if hdr.record_len != record_len:
-                        raise CorruptRecord(f"record length mismatch in segment {seg_id} at {offset}")
-                    lo = hdr.header_len
-                assert hdr is not None
-                p0 = a + lo - hdr.header_len  # payload offset of this piece's first byte
-                hi = min(b - a, hdr.header_len + hdr.stored_len - a)
-                if hi > lo:
-                    part = view[lo:hi]
-                    hasher.update(part)
-                    consume(hdr, part, p0)
-            assert hdr is not None
+                    nxt = fetch(k + 1)  # the other staging buffer (or dst) is free by now
+                view, in_place = target(k)
+                valid = view[: max(0, min(b, stored_len) - a)]
+                hasher.update(valid)
+                if dst is not None and not in_place:
+                    dst[a : a + len(valid)] = valid
+            hdr = decode_header(memoryview(trailer)[:HEADER_BLOCK])
+            if hdr is None:
+                raise CorruptRecord(f"bad record trailer in segment {seg_id} at {offset}")
+            if hdr.stored_len != stored_len:
+                raise CorruptRecord(f"record length mismatch in segment {seg_id} at {offset}")
             if hasher.intdigest() != hdr.checksum:
                 raise CorruptRecord(f"checksum mismatch in segment {seg_id} at {offset}")
             return hdr
         finally:
+            for f in futs:
+                f.exception()
+            self.pool.give(trailer)
             for buf in bufs:
                 self.pool.give(buf)
 
-    def scan(self, seg_id: int, size: int | None = None) -> Iterator[tuple[int, RecordHeader | None]]:
-        """Yield (offset, header) for every record found in a segment, skipping garbage.
+    def scan(self, seg_id: int, size: int | None = None) -> Iterator[tuple[int, RecordHeader]]:
+        """Yield (offset, header) for every record whose trailer is intact.
 
-        A header is None where a region could not be parsed; the scan then resyncs
-        at the next 4 KiB boundary.
+        Trailers sit at 4 KiB boundaries after their payload, so the scan reads the
+        segment sequentially and tests each boundary; garbage between records (a torn
+        append) is skipped. The caller verifies payload checksums.
         """
         path = self.path(seg_id)
         with open(path, "rb", buffering=0) as f:
-            end = os.fstat(f.fileno()).st_size if size is None else size
-            off = ALIGN
-            while off + REC_FIXED <= end:
-                head = os.pread(f.fileno(), MAX_HEADER, off)
-                hdr = decode_header(head)
-                if hdr is None or off + hdr.record_len > end:
-                    yield off, None
-                    off += ALIGN
-                    continue
-                yield off, hdr
-                off += hdr.record_len
+            end = os.fstat(f.fileno()).st_size if size is None else min(size, os.fstat(f.fileno()).st_size)
+            start = ALIGN  # after the segment header
+            pos = ALIGN
+            block = 8 << 20
+            while pos < end:
+                data = os.pread(f.fileno(), min(block, end - pos), pos)
+                if not data:
+                    break
+                i = 0
+                while True:
+                    i = data.find(REC_MAGIC, i)
+                    if i < 0:
+                        break
+                    if i % ALIGN == 0:
+                        at = pos + i
+                        head = data[i : i + HEADER_BLOCK]
+                        if len(head) < HEADER_BLOCK:
+                            head = os.pread(f.fileno(), HEADER_BLOCK, at)
+                        hdr = decode_header(head)
+                        if hdr is not None:
+                            rec = at - hdr.trailer_offset
+                            if rec >= start:
+                                yield rec, hdr
+                                start = at + HEADER_BLOCK
+                    i += 1
+                pos += len(data)
 
     def verify_payload(self, seg_id: int, offset: int, hdr: RecordHeader) -> bool:
         try:
-            self.read_record(seg_id, offset, hdr.record_len, lambda h, p, o: None)
+            self.read_record(seg_id, offset, hdr.stored_len, None)
             return True
         except CorruptRecord:
             return False
@@ -376,6 +444,34 @@ class SegmentIO:
                 os.close(fd)
             self._fds.clear()
         self._io.shutdown(wait=True)
+
+
+class PendingWrite:
+    """Writes of one record in flight on the I/O thread, and the buffers they use."""
+
+    def __init__(self, pool: AlignedPool, length: int) -> None:
+        self.pool = pool
+        self.length = length
+        self.checksum = 0
+        self.futures: list[Future[int]] = []
+        self.buffers: list[mmap.mmap] = []
+
+    def result(self) -> tuple[int, int]:
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            self.cancel()
+        return self.length, self.checksum
+
+    def cancel(self) -> None:
+        """Wait for whatever was submitted (buffers must outlive it), then free buffers."""
+        for f in self.futures:
+            f.exception()
+        self.futures = []
+        for b in self.buffers:
+            self.pool.give(b)
+        self.buffers = []
 
 
 class CorruptRecord(StoreError):
@@ -390,20 +486,33 @@ class SegmentGone(StoreError):
         self.seg_id = seg_id
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> int:
+    total = sum(len(v) for v in views)
     done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
+    while done < total:
+        n = os.pwritev(fd, _advance(views, done), offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
     return done
 
 
-def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    total = sum(len(v) for v in views)
     done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+    while done < total:
+        n = os.preadv(fd, _advance(views, done), offset + done)
         if n <= 0:
             break
         done += n

@@ -35,7 +35,7 @@ from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
 from .errors import PinBudgetError, StoreError
 from .keys import DTYPE_SIZES, KEY_BYTES, Namespace
-from .segment import ALIGN, CorruptRecord, SegmentGone, SegmentIO, align_up, checksum, encode_header
+from .segment import ALIGN, CorruptRecord, SegmentGone, SegmentIO, align_up, encode_header, record_len
 
 if TYPE_CHECKING:
     from collections.abc import Buffer
@@ -389,23 +389,34 @@ class Store:
             raw = memoryview(it.data).cast("B")
             stored = self.codec.encode(cid, raw, itemsize)
             now = time.time()
-            hdr = encode_header(it.key, cid, {"layout": layout, "tokens": it.tokens},
-                                len(memoryview(stored)), len(raw), checksum(stored), now)
-            rec_len = align_up(len(hdr) + len(memoryview(stored)))
-            prepared.append((it, layout, cid, raw, stored, hdr, rec_len, now))
+            rec_len = record_len(len(memoryview(stored)))
+            prepared.append((it, layout, cid, raw, stored, rec_len, now))
 
         with self._lock:
-            plan = self._reserve(st, [(p[0].key, p[6]) for p in prepared])
+            plan = self._reserve(st, [(p[0].key, p[5]) for p in prepared])
             written = 0
             results = [False] * len(prepared)
             todo = []
-            for i, p in enumerate(prepared):
-                slot = plan[i]
-                if slot is None:
-                    continue
-                seg, off, fd = slot
-                written += st.io.write_record(fd, off, p[5], p[4])
-                todo.append((i, p, seg, off))
+            pending = []
+            try:
+                for i, p in enumerate(prepared):
+                    slot = plan[i]
+                    if slot is None:
+                        continue
+                    seg, off, fd = slot
+                    it, layout, cid, raw, stored, _rec_len, now = p
+                    meta = {"layout": layout, "tokens": it.tokens}
+                    # hashing this record overlaps the disk write of the previous one
+                    pw = st.io.start_write(
+                        fd, off, stored,
+                        lambda c, it=it, cid=cid, meta=meta, stored=stored, raw=raw, now=now: encode_header(
+                            it.key, cid, meta, len(memoryview(stored)), len(raw), c, now))
+                    pending.append(pw)
+                    todo.append((i, p, seg, off, pw))
+            finally:
+                for pw in pending:
+                    written += pw.result()[0]
+            todo = [(i, p, seg, off, pw.checksum) for i, p, seg, off, pw in todo]
             if not todo:
                 self._close_retired(st)
                 return results
@@ -416,11 +427,11 @@ class Store:
 
             def commit(txn: lmdb.Transaction) -> None:
                 payload = 0
-                for i, p, seg, off in todo:
-                    it, layout, cid, raw, stored, _hdr, rec_len, now = p
+                for i, p, seg, off, csum in todo:
+                    it, layout, cid, raw, stored, rec_len, now = p
                     if txn.get(it.key, db=self._db_chunks) is not None:
                         continue  # another process stored it meanwhile; ours is dead space
-                    e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), checksum(stored),
+                    e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), csum,
                               it.tokens, 0, cid, st.tid, now, now, layout)
                     self._index_entry(txn, it.key, e)
                     results[i] = True
@@ -584,8 +595,13 @@ class Store:
                 s.state = SEG_SEALED  # an empty sealed segment is removed by compaction
                 txn.put(_BE64.pack(st.open_seg), s.pack(), db=self._db_segs)
             self._drop_open(st)
-        seg_id = self._add(txn, "next_segment", 1)
-        fd = st.io.create(seg_id)
+        while True:
+            seg_id = self._add(txn, "next_segment", 1)
+            try:
+                fd = st.io.create(seg_id)
+                break
+            except FileExistsError:
+                continue  # left by a writer that died before registering it; recovery removes it
         created.append(seg_id)
         txn.put(_BE64.pack(seg_id), Segment(st.tid, SEG_OPEN, os.getpid(), ALIGN, 0, 0, time.time()).pack(),
                 db=self._db_segs)
@@ -713,21 +729,18 @@ class Store:
                 e = Entry.unpack(raw)
                 if (e.seg, e.off) != (sid, off):
                     continue
-                data = bytearray(e.stored_len)
-
-                def grab(h: Any, piece: memoryview, p0: int) -> None:
-                    data[p0 : p0 + len(piece)] = piece
-
+                buf = st.io.pool.take(e.stored_len)
+                data = memoryview(buf)[: e.stored_len]
                 try:
-                    hdr = st.io.read_record(sid, off, e.rec_len, grab)
+                    hdr = st.io.read_record(sid, off, e.stored_len, data)
                 except (CorruptRecord, SegmentGone):
+                    st.io.pool.give(buf)
                     self._drop_corrupt(key, e)
                     continue
                 if hdr.key != key:
+                    st.io.pool.give(buf)
                     self._drop_corrupt(key, e)
                     continue
-                header = encode_header(key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len,
-                                       hdr.checksum, hdr.created)
                 # reserve in our own open segment, without evicting (compaction frees space)
                 created: list[int] = []
 
@@ -742,7 +755,11 @@ class Store:
                     return seg, o, st.open_fd
 
                 nseg, noff, fd = self._write(reserve)
-                n = st.io.write_record(fd, noff, header, data)
+                try:
+                    n, _csum = st.io.write_record(fd, noff, data, lambda c, hdr=hdr: encode_header(
+                        key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, c, hdr.created))
+                finally:
+                    st.io.pool.give(buf)
                 if self.config.fsync:
                     st.io.sync(fd)
                 self._close_retired(st)
@@ -858,19 +875,12 @@ class Store:
             if st is None:
                 self._count_miss()
                 return None
-            stored: bytearray | None = None if e.codec == 0 else bytearray(e.stored_len)
-
-            def consume(h: Any, piece: memoryview, p0: int) -> None:
-                if stored is None:
-                    dst[p0 : p0 + len(piece)] = piece
-                else:
-                    stored[p0 : p0 + len(piece)] = piece
-
+            stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
             try:
-                hdr = st.io.read_record(e.seg, e.off, e.rec_len, consume)
+                hdr = st.io.read_record(e.seg, e.off, e.stored_len, stored)
                 if hdr.key != key or hdr.checksum != e.checksum or hdr.stored_len != e.stored_len:
                     raise CorruptRecord(f"record at segment {e.seg} offset {e.off} belongs to another key")
-                if stored is not None:
+                if e.codec != 0:
                     itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
                     plain = self.codec.decode(e.codec, stored, e.raw_len, itemsize)
                     dst[: e.raw_len] = plain
@@ -1149,6 +1159,45 @@ class Store:
                 if fd >= 0:
                     os.close(fd)
         self._unlink(unlink)
+        problems.extend(self._remove_orphan_files())
+        return problems
+
+    def _remove_orphan_files(self) -> list[Problem]:
+        """Delete segment files the index does not know, whose writer is dead and which
+        hold no record: a writer killed between creating a segment and registering it
+        (records are appended only after registration). A file that does hold records
+        is never deleted here: it is reported, and ``rebuild_index`` can take it back."""
+        problems: list[Problem] = []
+        with self._read() as txn:
+            known = {_BE64.unpack(k)[0] for k in txn.cursor(db=self._db_segs).iternext(values=False)}
+        for st in self._tiers.values():
+            for name in sorted(os.listdir(st.io.dir)):
+                if not (name.startswith("seg-") and name.endswith(".lseg")):
+                    continue
+                sid = int(name[4:-5])
+                if sid in known or sid == st.open_seg:
+                    continue
+                p = Problem("orphan-file", f"{name} in tier {st.name} is not in the index")
+                try:
+                    fd = os.open(st.io.path(sid), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    with self._read() as txn:  # registered meanwhile by its (now finished) writer?
+                        if txn.get(_BE64.pack(sid), db=self._db_segs) is not None:
+                            continue
+                    if os.fstat(fd).st_size > ALIGN:
+                        p.detail += " and holds records; run rebuild to index them"
+                        problems.append(p)
+                        continue
+                    os.unlink(st.io.path(sid))
+                    p.fixed = True
+                except BlockingIOError:
+                    p.detail += " (a live writer holds it; left alone)"
+                finally:
+                    os.close(fd)
+                problems.append(p)
         return problems
 
     def _entries_in_segment(self, txn: lmdb.Transaction, sid: int) -> list[tuple[bytes, Entry]]:
@@ -1192,7 +1241,7 @@ class Store:
                 continue
             if deep:
                 try:
-                    hdr = st.io.read_record(e.seg, e.off, e.rec_len, lambda h, p, o: None)
+                    hdr = st.io.read_record(e.seg, e.off, e.stored_len, None)
                     if hdr.key != key:
                         raise CorruptRecord("foreign key")
                 except (CorruptRecord, SegmentGone) as exc:
@@ -1212,28 +1261,16 @@ class Store:
             for p in problems:
                 p.fixed = True
         # files on disk that the index does not know
-        for st in self._tiers.values():
-            for name in sorted(os.listdir(st.io.dir)):
-                if not (name.startswith("seg-") and name.endswith(".lseg")):
-                    continue
-                sid = int(name[4:-5])
-                if sid in segs or sid == st.open_seg:
-                    continue
-                p = Problem("orphan-file", f"{name} in tier {st.name} is not in the index")
-                if fix:
-                    try:
-                        fd = os.open(st.io.path(sid), os.O_RDONLY)
-                        try:
-                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                            os.unlink(st.io.path(sid))
-                            p.fixed = True
-                        except BlockingIOError:
-                            p.detail += " (a live writer holds it; left alone)"
-                        finally:
-                            os.close(fd)
-                    except FileNotFoundError:
-                        p.fixed = True
-                problems.append(p)
+        if fix:
+            problems.extend(self._remove_orphan_files())
+        else:
+            with self._read() as txn:
+                known = {_BE64.unpack(k)[0] for k in txn.cursor(db=self._db_segs).iternext(values=False)}
+            for st in self._tiers.values():
+                for name in sorted(os.listdir(st.io.dir)):
+                    if name.startswith("seg-") and name.endswith(".lseg") and int(name[4:-5]) not in known \
+                            and int(name[4:-5]) != st.open_seg:
+                        problems.append(Problem("orphan-file", f"{name} in tier {st.name} is not in the index"))
         problems.extend(self._recount(fix))
         return problems
 

@@ -28,22 +28,23 @@ def main() -> None:
     path, start, count, size, capacity = sys.argv[1], *map(int, sys.argv[2:6])
     mode = sys.argv[6] if len(sys.argv) > 6 else "loop"
     if mode.startswith("die"):
-        real = SegmentIO.write_record
+        real = SegmentIO.start_write
         calls = {"n": 0}
 
-        def faulty(self, fd, offset, header, payload):  # type: ignore[no-untyped-def]
+        def faulty(self, fd, offset, payload, make_header):  # type: ignore[no-untyped-def]
             calls["n"] += 1
             if calls["n"] == 3:
                 if mode == "die-mid-write":
+                    # half the payload reached the disk, the header block (written last) did not
                     half = memoryview(payload)[: len(memoryview(payload)) // 2]
-                    real(self, fd, offset, header, half)
+                    real(self, fd, offset, half, lambda c: bytes(4096)).result()
                 else:
-                    real(self, fd, offset, header, payload)
+                    real(self, fd, offset, payload, make_header).result()
                 os.fsync(fd)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(self, fd, offset, header, payload)
+            return real(self, fd, offset, payload, make_header)
 
-        SegmentIO.write_record = faulty  # type: ignore[method-assign]
+        SegmentIO.start_write = faulty  # type: ignore[method-assign]
     cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity)}, segment_bytes=max(64 << 10, size * 4))
     store = Store(path, cfg)
     for i in range(start, start + count):
