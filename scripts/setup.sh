@@ -14,7 +14,12 @@ stamp=.venv/.setup-stamp
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import lmctl, store' 2>/dev/null; then
     echo "setup: installing lmctl and its test dependencies into .venv" >&2
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -e '.[dev]'
+    log=.venv/setup.log
+    if ! { .venv/bin/python -m pip install -q --upgrade pip &&
+           .venv/bin/python -m pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "setup: pip install failed (full log: $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .errors import StoreError
 
 if TYPE_CHECKING:
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 CODEC_IDS = {"raw": 0, "zstd": 1, "zstd-shuffle": 2}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
@@ -34,7 +34,7 @@ def shuffle(data: Buffer, itemsize: int) -> bytes:
     """Byte-plane shuffle: [b0 of every element][b1 of every element]..."""
     import numpy as np
 
-    arr = np.frombuffer(data, dtype=np.uint8)
+    arr = np.frombuffer(memoryview(data), dtype=np.uint8)
     if itemsize <= 1 or len(arr) % itemsize:
         return arr.tobytes()
     return np.ascontiguousarray(arr.reshape(-1, itemsize).T).tobytes()
@@ -43,7 +43,7 @@ def shuffle(data: Buffer, itemsize: int) -> bytes:
 def unshuffle(data: Buffer, itemsize: int, out: memoryview | None = None) -> memoryview:
     import numpy as np
 
-    arr = np.frombuffer(data, dtype=np.uint8)
+    arr = np.frombuffer(memoryview(data), dtype=np.uint8)
     if out is None:
         dst = np.empty(len(arr), dtype=np.uint8)
     else:
@@ -52,7 +52,7 @@ def unshuffle(data: Buffer, itemsize: int, out: memoryview | None = None) -> mem
         dst[:] = arr
     else:
         dst.reshape(-1, itemsize)[:] = arr.reshape(itemsize, -1).T
-    return memoryview(dst).cast("B")
+    return dst.data.cast("B")
 
 
 @dataclass

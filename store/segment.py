@@ -52,10 +52,11 @@ import xxhash
 from .errors import StoreError
 
 if TYPE_CHECKING:
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 ALIGN = 4096
 PIECE = 8 << 20  # pipelining granularity for large transfers
+READ_PIECE = 2 << 20  # reads: small enough that hashing piece k overlaps reading piece k+1
 REC_MAGIC = b"LMCTLREC"
 SEG_MAGIC = b"LMCTLSEG"
 REC_VERSION = 1
@@ -345,8 +346,8 @@ class SegmentIO:
             raise SegmentGone(seg_id) from None
         body = align_up(stored_len)
         direct_dst = dst is not None and self.direct and is_aligned(dst)
-        spans = [(a, min(a + PIECE, body)) for a in range(0, body, PIECE)] or [(0, 0)]
-        size = min(PIECE, max(body, ALIGN))
+        spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
+        size = min(READ_PIECE, max(body, ALIGN))
         trailer = self.pool.take(HEADER_BLOCK)
         bufs = [self.pool.take(size), self.pool.take(size)]
         futs: list[Future[int]] = []

@@ -19,6 +19,7 @@ Rules that keep it correct with several processes on one store:
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from .keys import DTYPE_SIZES, KEY_BYTES, Namespace
 from .segment import ALIGN, CorruptRecord, SegmentGone, SegmentIO, align_up, encode_header, record_len
 
 if TYPE_CHECKING:
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 log = logging.getLogger("lmctl.store")
 T = TypeVar("T")
@@ -81,9 +82,10 @@ class Entry:
                                self.layout, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
-    def unpack(cls, raw: bytes) -> Entry:
-        fields = _ENTRY.unpack_from(raw, 0)
-        return cls(*fields, layout=json.loads(bytes(raw[_ENTRY.size:]) or b"{}"))
+    def unpack(cls, raw: bytes | memoryview) -> Entry:
+        f = _ENTRY.unpack_from(raw, 0)
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11],
+                   json.loads(bytes(raw[_ENTRY.size:]) or b"{}"))
 
     @property
     def tier_name(self) -> str:
@@ -105,7 +107,7 @@ class Segment:
                          self.live_count, self.created)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> Segment:
+    def unpack(cls, raw: bytes | memoryview) -> Segment:
         return cls(*_SEG.unpack(raw))
 
 
@@ -305,12 +307,12 @@ class Store:
                 txn.put(b"config", cfg.to_json().encode(), db=self._db_meta)
                 txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
                 return cfg
-            return StoreConfig.from_json(raw)
+            return StoreConfig.from_json(bytes(raw))
 
         if self.readonly:
             with self._read() as txn:
                 raw = txn.get(b"config", db=self._db_meta)
-                return StoreConfig.from_json(raw) if raw else StoreConfig()
+                return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
         return self._write(load)
 
     def configure(self, config: StoreConfig) -> None:
@@ -325,6 +327,12 @@ class Store:
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
                 self._enforce_capacity(name, 0)
+
+    @staticmethod
+    def _must(raw: bytes | memoryview | None) -> bytes | memoryview:
+        if raw is None:
+            raise StoreError("index is inconsistent (a segment record is missing); run lmctl verify --fix")
+        return raw
 
     # -- counters ----------------------------------------------------------------
     def _add(self, txn: lmdb.Transaction, name: str, delta: int) -> int:
@@ -349,7 +357,7 @@ class Store:
         def fn(txn: lmdb.Transaction) -> None:
             old = txn.get(ns.ns_id, db=self._db_ns)
             if old is not None:
-                prev = json.loads(old)
+                prev = json.loads(bytes(old))
                 if prev.get("info") == doc["info"]:
                     return
                 doc["info"] = {**prev.get("info", {}), **doc["info"]}
@@ -360,7 +368,7 @@ class Store:
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
         with self._read() as txn:
-            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._db_ns)}
+            return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._db_ns)}
 
     # -- writing -----------------------------------------------------------------
     def put(self, key: bytes, data: Buffer, layout: dict[str, Any], tokens: int = 0,
@@ -407,17 +415,15 @@ class Store:
                     it, layout, cid, raw, stored, _rec_len, now = p
                     meta = {"layout": layout, "tokens": it.tokens}
                     # hashing this record overlaps the disk write of the previous one
-                    pw = st.io.start_write(
-                        fd, off, stored,
-                        lambda c, it=it, cid=cid, meta=meta, stored=stored, raw=raw, now=now: encode_header(
-                            it.key, cid, meta, len(memoryview(stored)), len(raw), c, now))
+                    pw = st.io.start_write(fd, off, stored, functools.partial(
+                        self._trailer, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
                     pending.append(pw)
                     todo.append((i, p, seg, off, pw))
             finally:
                 for pw in pending:
                     written += pw.result()[0]
-            todo = [(i, p, seg, off, pw.checksum) for i, p, seg, off, pw in todo]
-            if not todo:
+            done = [(i, p, seg, off, pw.checksum) for i, p, seg, off, pw in todo]
+            if not done:
                 self._close_retired(st)
                 return results
             if self.config.fsync:
@@ -427,7 +433,7 @@ class Store:
 
             def commit(txn: lmdb.Transaction) -> None:
                 payload = 0
-                for i, p, seg, off, csum in todo:
+                for i, p, seg, off, csum in done:
                     it, layout, cid, raw, stored, rec_len, now = p
                     if txn.get(it.key, db=self._db_chunks) is not None:
                         continue  # another process stored it meanwhile; ours is dead space
@@ -443,11 +449,16 @@ class Store:
             self._write(commit)
             return results
 
+    @staticmethod
+    def _trailer(key: bytes, codec: int, meta: dict[str, Any], stored_len: int, raw_len: int, csum: int,
+                 *, created: float) -> bytes:
+        return encode_header(key, codec, meta, stored_len, raw_len, csum, created)
+
     def _index_entry(self, txn: lmdb.Transaction, key: bytes, e: Entry) -> None:
         txn.put(key, e.pack(), db=self._db_chunks)
         txn.put(bytes([e.tier]) + _BE64.pack(int(e.last_access * 1e9)) + key, b"", db=self._db_lru)
         txn.put(_BE64.pack(e.seg) + _BE64.pack(e.off), key, db=self._db_locs)
-        seg = Segment.unpack(txn.get(_BE64.pack(e.seg), db=self._db_segs))
+        seg = Segment.unpack(self._must(txn.get(_BE64.pack(e.seg), db=self._db_segs)))
         seg.live_bytes += e.rec_len
         seg.live_count += 1
         txn.put(_BE64.pack(e.seg), seg.pack(), db=self._db_segs)
@@ -529,7 +540,7 @@ class Store:
                     self._add(txn, "rejected_full", 1)
                     continue
                 seg = self._open_segment(txn, st, n, created)
-                s = Segment.unpack(txn.get(_BE64.pack(seg), db=self._db_segs))
+                s = Segment.unpack(self._must(txn.get(_BE64.pack(seg), db=self._db_segs)))
                 off = s.size
                 s.size += n
                 txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
@@ -702,7 +713,7 @@ class Store:
                     if dead > 0 and dead >= ratio * s.size:
                         cands.append((dead, sid, s))
             cands.sort(reverse=True)
-            for dead, sid, s in cands:
+            for _dead, sid, s in cands:
                 if until_free is not None and reclaimed >= until_free:
                     break
                 if self._compact_segment(st, sid):
@@ -746,7 +757,7 @@ class Store:
 
                 def reserve(txn: lmdb.Transaction) -> tuple[int, int, int]:
                     seg = self._open_segment(txn, st, e.rec_len, created)
-                    s = Segment.unpack(txn.get(_BE64.pack(seg), db=self._db_segs))
+                    s = Segment.unpack(self._must(txn.get(_BE64.pack(seg), db=self._db_segs)))
                     o = s.size
                     s.size += e.rec_len
                     txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
@@ -756,8 +767,8 @@ class Store:
 
                 nseg, noff, fd = self._write(reserve)
                 try:
-                    n, _csum = st.io.write_record(fd, noff, data, lambda c, hdr=hdr: encode_header(
-                        key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, c, hdr.created))
+                    n, _csum = st.io.write_record(fd, noff, data, functools.partial(
+                        self._trailer, key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, created=hdr.created))
                 finally:
                     st.io.pool.give(buf)
                 if self.config.fsync:
@@ -1011,7 +1022,7 @@ class Store:
                 targets = []
                 if cur.set_range(lb):
                     for k in cur.iternext(values=False):
-                        if not k.startswith(lb):
+                        if not bytes(k).startswith(lb):
                             break
                         targets.append(bytes(k[len(lb):]))
             else:
@@ -1062,7 +1073,7 @@ class Store:
             if not cur.set_range(prefix):
                 return
             for k, v in cur:
-                if not k.startswith(prefix):
+                if not bytes(k).startswith(prefix):
                     return
                 key = bytes(k)
                 refs = _PIN.unpack(pins.value())[0] if pins.set_key(key) else 0
@@ -1311,12 +1322,12 @@ class Store:
             for t in self._tiers:
                 for c in ("live", "count", "pinned", "used"):
                     want.setdefault(f"{c}:{t}", 0)
-            for name, v in want.items():
+            for name, want_v in want.items():
                 have = self._get_counter(txn, name)
-                if have != v:
-                    problems.append(Problem("counter", f"{name} is {have}, index says {v}", fix))
+                if have != want_v:
+                    problems.append(Problem("counter", f"{name} is {have}, index says {want_v}", fix))
                     if fix:
-                        txn.put(b"c:" + name.encode(), _U64.pack(v), db=self._db_meta)
+                        txn.put(b"c:" + name.encode(), _U64.pack(want_v), db=self._db_meta)
 
         if fix:
             with self._lock:

@@ -47,7 +47,7 @@ def pack(tensor: torch.Tensor) -> tuple[memoryview, dict[str, Any]]:
     t = t.contiguous()
     layout = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
     flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()), layout
+    return flat.numpy().data, layout
 
 
 def unpack(data: Any, layout: dict[str, Any]) -> torch.Tensor:
