@@ -7,6 +7,7 @@ integrity and a warm restart. Runs in seconds on any machine.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import tempfile
@@ -46,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", help="build the store in this directory and keep it")
     args = ap.parse_args()
+    logging.basicConfig(format="   store log: %(message)s", level=logging.WARNING)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lmctl-tour-"))
     store_dir = root / "store"
     chunk_disk = FMT.chunk_bytes + 4096

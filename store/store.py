@@ -539,15 +539,8 @@ class Store:
                     out.append(None)
                     self._add(txn, "rejected_full", 1)
                     continue
-                seg = self._open_segment(txn, st, n, created)
-                s = Segment.unpack(self._must(txn.get(_BE64.pack(seg), db=self._db_segs)))
-                off = s.size
-                s.size += n
-                txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
+                out.append(self._alloc(txn, st, n, created))
                 used += n
-                self._add(txn, f"used:{st.name}", n)
-                assert st.open_fd is not None
-                out.append((seg, off, st.open_fd))
             return out
 
         try:
@@ -562,6 +555,17 @@ class Store:
                 except FileNotFoundError:
                     pass
             raise
+
+    def _alloc(self, txn: lmdb.Transaction, st: _TierState, n: int, created: list[int]) -> tuple[int, int, int]:
+        """Grow this process's open segment of ``st`` by ``n`` bytes: (segment, offset, fd)."""
+        seg = self._open_segment(txn, st, n, created)
+        s = Segment.unpack(self._must(txn.get(_BE64.pack(seg), db=self._db_segs)))
+        off = s.size
+        s.size += n
+        txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
+        self._add(txn, f"used:{st.name}", n)
+        assert st.open_fd is not None
+        return seg, off, st.open_fd
 
     def _drop_open(self, st: _TierState) -> None:
         # the fd may still be in use by a batch that is being written: close it later
@@ -755,17 +759,7 @@ class Store:
                 # reserve in our own open segment, without evicting (compaction frees space)
                 created: list[int] = []
 
-                def reserve(txn: lmdb.Transaction) -> tuple[int, int, int]:
-                    seg = self._open_segment(txn, st, e.rec_len, created)
-                    s = Segment.unpack(self._must(txn.get(_BE64.pack(seg), db=self._db_segs)))
-                    o = s.size
-                    s.size += e.rec_len
-                    txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
-                    self._add(txn, f"used:{st.name}", e.rec_len)
-                    assert st.open_fd is not None
-                    return seg, o, st.open_fd
-
-                nseg, noff, fd = self._write(reserve)
+                nseg, noff, fd = self._write(lambda txn: self._alloc(txn, st, e.rec_len, created))
                 try:
                     n, _csum = st.io.write_record(fd, noff, data, functools.partial(
                         self._trailer, key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, created=hdr.created))
