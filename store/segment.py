@@ -65,7 +65,6 @@ _REC = struct.Struct("<8sHBBHHQQQdI12x")
 _SEG = struct.Struct("<8sHQd")
 REC_FIXED = _REC.size  # 64
 HEADER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
-MAX_HEADER = HEADER_BLOCK
 assert REC_FIXED == 64
 
 

@@ -211,7 +211,6 @@ class _TierState:
     open_seg: int | None = None
     open_fd: int | None = None
     retired_fds: list[int] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 class Store:

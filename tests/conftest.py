@@ -17,14 +17,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 def content(key: bytes, n: int) -> bytes:
     """Deterministic payload for a key, so any process can check what it reads."""
     seed = hashlib.sha256(key).digest()
-    reps = n // len(seed) + 1
     block = hashlib.shake_256(seed).digest(min(n, 1 << 16))
     out = (block * (n // len(block) + 1))[:n]
     # make every 64 KiB window unique to the key and position
     mv = bytearray(out)
     for i in range(0, n, 1 << 16):
         mv[i : i + 8] = i.to_bytes(8, "little")
-    del reps
     return bytes(mv)
 
 

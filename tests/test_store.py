@@ -268,7 +268,6 @@ def test_warm_restart_keeps_every_chunk(make_store: MakeStore, tmp_path: Path) -
 def test_compaction_reclaims_evicted_space(make_store: MakeStore) -> None:
     store = make_store(segment_bytes=1 * MiB)
     keys = fill(store, 200)
-    store.close_open = None  # noqa: B018 (no-op, keeps the store object)
     store.evict(keys[::2])  # half of every segment dies
     st = store.stats()
     dead_before = st["tiers"]["nvme"]["dead_bytes"]
