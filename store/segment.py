@@ -220,6 +220,10 @@ class SegmentIO:
     def path(self, seg_id: int) -> str:
         return os.path.join(self.dir, segment_name(seg_id))
 
+    def segment_ids(self) -> list[int]:
+        """Ids of the segment files in this tier's directory, ascending."""
+        return sorted(int(n[4:-5]) for n in os.listdir(self.dir) if n.startswith("seg-") and n.endswith(".lseg"))
+
     def _flags(self) -> int:
         return os.O_DIRECT if self.direct else 0
 

@@ -36,7 +36,16 @@ from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
 from .errors import PinBudgetError, StoreError
 from .keys import DTYPE_SIZES, KEY_BYTES, Namespace
-from .segment import ALIGN, CorruptRecord, SegmentGone, SegmentIO, align_up, encode_header, record_len
+from .segment import (
+    ALIGN,
+    CorruptRecord,
+    SegmentGone,
+    SegmentIO,
+    align_up,
+    encode_header,
+    record_len,
+    segment_name,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -415,7 +424,7 @@ class Store:
                     meta = {"layout": layout, "tokens": it.tokens}
                     # hashing this record overlaps the disk write of the previous one
                     pw = st.io.start_write(fd, off, stored, functools.partial(
-                        self._trailer, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
+                        encode_header, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
                     pending.append(pw)
                     todo.append((i, p, seg, off, pw))
             finally:
@@ -447,11 +456,6 @@ class Store:
 
             self._write(commit)
             return results
-
-    @staticmethod
-    def _trailer(key: bytes, codec: int, meta: dict[str, Any], stored_len: int, raw_len: int, csum: int,
-                 *, created: float) -> bytes:
-        return encode_header(key, codec, meta, stored_len, raw_len, csum, created)
 
     def _index_entry(self, txn: lmdb.Transaction, key: bytes, e: Entry) -> None:
         txn.put(key, e.pack(), db=self._db_chunks)
@@ -761,7 +765,7 @@ class Store:
                 nseg, noff, fd = self._write(lambda txn: self._alloc(txn, st, e.rec_len, created))
                 try:
                     n, _csum = st.io.write_record(fd, noff, data, functools.partial(
-                        self._trailer, key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, created=hdr.created))
+                        encode_header, key, hdr.codec, hdr.meta, hdr.stored_len, hdr.raw_len, created=hdr.created))
                 finally:
                     st.io.pool.give(buf)
                 if self.config.fsync:
@@ -1172,37 +1176,36 @@ class Store:
         (records are appended only after registration). A file that does hold records
         is never deleted here: it is reported, and ``rebuild_index`` can take it back."""
         problems: list[Problem] = []
+        for st, sid in self._unknown_files():
+            p = Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
+            try:
+                fd = os.open(st.io.path(sid), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                with self._read() as txn:  # registered meanwhile by its (now finished) writer?
+                    if txn.get(_BE64.pack(sid), db=self._db_segs) is not None:
+                        continue
+                if os.fstat(fd).st_size > ALIGN:
+                    p.detail += " and holds records; run rebuild to index them"
+                    problems.append(p)
+                    continue
+                os.unlink(st.io.path(sid))
+                p.fixed = True
+            except BlockingIOError:
+                p.detail += " (a live writer holds it; left alone)"
+            finally:
+                os.close(fd)
+            problems.append(p)
+        return problems
+
+    def _unknown_files(self) -> list[tuple[_TierState, int]]:
+        """Segment files on disk that the index does not know (this process's open one aside)."""
         with self._read() as txn:
             known = {_BE64.unpack(k)[0] for k in txn.cursor(db=self._db_segs).iternext(values=False)}
-        for st in self._tiers.values():
-            for name in sorted(os.listdir(st.io.dir)):
-                if not (name.startswith("seg-") and name.endswith(".lseg")):
-                    continue
-                sid = int(name[4:-5])
-                if sid in known or sid == st.open_seg:
-                    continue
-                p = Problem("orphan-file", f"{name} in tier {st.name} is not in the index")
-                try:
-                    fd = os.open(st.io.path(sid), os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    with self._read() as txn:  # registered meanwhile by its (now finished) writer?
-                        if txn.get(_BE64.pack(sid), db=self._db_segs) is not None:
-                            continue
-                    if os.fstat(fd).st_size > ALIGN:
-                        p.detail += " and holds records; run rebuild to index them"
-                        problems.append(p)
-                        continue
-                    os.unlink(st.io.path(sid))
-                    p.fixed = True
-                except BlockingIOError:
-                    p.detail += " (a live writer holds it; left alone)"
-                finally:
-                    os.close(fd)
-                problems.append(p)
-        return problems
+        return [(st, sid) for st in self._tiers.values() for sid in st.io.segment_ids()
+                if sid not in known and sid != st.open_seg]
 
     def _entries_in_segment(self, txn: lmdb.Transaction, sid: int) -> list[tuple[bytes, Entry]]:
         lo = _BE64.pack(sid)
@@ -1268,13 +1271,8 @@ class Store:
         if fix:
             problems.extend(self._remove_orphan_files())
         else:
-            with self._read() as txn:
-                known = {_BE64.unpack(k)[0] for k in txn.cursor(db=self._db_segs).iternext(values=False)}
-            for st in self._tiers.values():
-                for name in sorted(os.listdir(st.io.dir)):
-                    if name.startswith("seg-") and name.endswith(".lseg") and int(name[4:-5]) not in known \
-                            and int(name[4:-5]) != st.open_seg:
-                        problems.append(Problem("orphan-file", f"{name} in tier {st.name} is not in the index"))
+            problems.extend(Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
+                            for st, sid in self._unknown_files())
         problems.extend(self._recount(fix))
         return problems
 
@@ -1339,9 +1337,7 @@ class Store:
         """
         found = 0
         for st in self._tiers.values():
-            ids = sorted(int(n[4:-5]) for n in os.listdir(st.io.dir)
-                         if n.startswith("seg-") and n.endswith(".lseg"))
-            for sid in ids:
+            for sid in st.io.segment_ids():
                 if sid == st.open_seg:
                     continue
                 size = os.path.getsize(st.io.path(sid))
