@@ -1,4 +1,22 @@
-"""Engine integrations (vLLM v1 KV connector and an engine-agnostic API).
+"""lmctl's engine side: the vLLM v1 connector (``engine_hook.vllm``) and an
+engine-agnostic API (``engine_hook.api``).
 
-torch and vllm are imported only inside the submodules that need them.
+Importing this package imports neither torch nor vllm; the submodules do.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import KVCacheClient, LoadedPrefix
+
+__all__ = ["KVCacheClient", "LoadedPrefix"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

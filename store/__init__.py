@@ -14,11 +14,12 @@ from .keys import (
     chunk_keys,
     parse_key,
 )
+from .shared import open_shared, release_shared
 from .store import Chunk, ChunkInfo, LookupResult, LRUPolicy, Problem, PutItem, Store
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "CapacityError", "Chunk", "ChunkInfo", "GiB",
     "KVFormat", "LRUPolicy", "LookupResult", "MiB", "Namespace", "PinBudgetError", "Problem",
     "PutItem", "Store", "StoreConfig", "StoreError", "TierConfig", "adapter_digest",
-    "chunk_keys", "parse_key",
+    "chunk_keys", "open_shared", "parse_key", "release_shared",
 ]

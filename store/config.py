@@ -82,3 +82,27 @@ class StoreConfig:
         doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``123``, ``"64GiB"``, ``"1.5 TB"`` or ``"512m"`` (binary for bare letters)."""
+    if isinstance(value, bool):
+        raise StoreError(f"size {value!r} is not a number of bytes")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise StoreError(f"size {value!r} must not be negative")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "").replace("_", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB") from None
+    if unit not in _UNITS or n < 0:
+        raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB")
+    return int(n * _UNITS[unit])

@@ -61,3 +61,18 @@ def env_with_path() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def flip_byte(store: Store, k: bytes, where: str = "payload") -> None:
+    """Corrupt one byte of a stored chunk's payload (or its trailer) on disk."""
+    info = store.info(k)
+    assert info is not None
+    path = Path(store.path) / info.tier / f"seg-{info.segment:012d}.lseg"
+    # the payload starts the record; its trailer follows at the next 4 KiB boundary
+    trailer = info.offset + (info.stored_bytes + 4095) // 4096 * 4096
+    pos = info.offset + 200 if where == "payload" else trailer + 20
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))

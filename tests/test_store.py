@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_FMT, SMALL_LAYOUT, content
+from conftest import SMALL_FMT, SMALL_LAYOUT, content, flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,27 +109,13 @@ def test_lookup_longest_prefix(store: Store, ns: Namespace) -> None:
 
 
 # -- integrity ---------------------------------------------------------------------
-def _flip_byte_of(store: Store, k: bytes, where: str = "payload") -> None:
-    info = store.info(k)
-    assert info is not None
-    path = Path(store.path) / "nvme" / f"seg-{info.segment:012d}.lseg"
-    # the payload starts the record; its trailer follows at the next 4 KiB boundary
-    trailer = info.offset + (info.stored_bytes + 4095) // 4096 * 4096
-    pos = info.offset + 200 if where == "payload" else trailer + 20
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 @pytest.mark.parametrize("codec", ["raw", "zstd-shuffle"])
 @pytest.mark.parametrize("where", ["payload", "trailer"])
 def test_flipped_byte_is_a_miss_never_wrong_bytes(store: Store, codec: str, where: str) -> None:
     keys = [key(i) for i in range(3)]
     for k in keys:
         store.put(k, content(k, CHUNK), {"dtype": "bfloat16"}, tokens=16, codec=codec)
-    _flip_byte_of(store, keys[1], where)
+    flip_byte(store, keys[1], where)
     os.sync()
     assert store.get(keys[1]) is None
     assert not store.contains(keys[1])  # dropped from the index
@@ -158,7 +144,7 @@ def test_record_of_another_key_is_a_miss(store: Store) -> None:
 
 def test_deep_check_finds_and_fixes_corruption(store: Store) -> None:
     keys = fill(store, 5)
-    _flip_byte_of(store, keys[3])
+    flip_byte(store, keys[3])
     problems = store.check(deep=True)
     assert [p.kind for p in problems] == ["corrupt-chunk"]
     fixed = store.check(deep=True, fix=True)

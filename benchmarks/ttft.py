@@ -1,0 +1,151 @@
+"""Time-to-first-token with lmctl in a real vLLM engine (CPU), and throughput on misses.
+
+    .venv/bin/python benchmarks/ttft.py [--sizes 1024,4096,8192] [--repeats 3] [--json]
+
+Model: SmolLM2-135M-Instruct in float32 (see demo/models.py). vLLM's own prefix cache is
+off, so a warm request's prefix can only come from the store. For each prefix size:
+
+* recompute: TTFT of a prompt whose prefix the store has never seen (median over
+  ``--repeats`` different prefixes; the connector is on, so this includes looking up,
+  gathering and queueing the saves);
+* warm: TTFT of a prompt sharing that prefix with a new question, the prefix loaded from
+  the store (median over ``--repeats`` questions, read with O_DIRECT, so from disk, not
+  from the page cache).
+
+Goal: warm <= 1/5 of recompute at 4k tokens.
+
+Throughput on misses: the same batch of distinct prompts (nothing ever hits) through an
+engine without the connector and one with it (which saves every chunk). Goal: with the
+connector >= 0.95 of without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imported)
+from demo.engine import Engine  # noqa: E402
+from demo.models import smollm2  # noqa: E402
+
+WORDS = ("lease tenant landlord rent deposit notice repair premises clause agreement month written "
+         "consent insurance damage arbitration court payment term renewal property").split()
+
+
+def text_tokens(tok: Any, n: int, seed: int) -> list[int]:
+    """About ``n`` token ids of natural-looking text, distinct per seed from the first token."""
+    rng = random.Random(seed)
+    words = [f"Document {seed}."]
+    ids: list[int] = []
+    while len(ids) < n:
+        words.extend(rng.choice(WORDS) for _ in range(64))
+        ids = tok(" ".join(words))["input_ids"]
+    return list(ids[:n])
+
+
+def ttft(eng: Engine, tokens: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    out = eng.llm.generate([{"prompt_token_ids": tokens}], _params(1), use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    eng.flush()  # outside the timing: saves are written in the background
+    return dt, int(out.num_cached_tokens or 0)
+
+
+def _params(n: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def throughput(eng: Engine, batch: list[list[int]], out_tokens: int) -> float:
+    """Tokens (prompt + generated) per second for one batch."""
+    t0 = time.perf_counter()
+    eng.llm.generate([{"prompt_token_ids": t} for t in batch], _params(out_tokens), use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return (sum(len(t) for t in batch) + out_tokens * len(batch)) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--miss-prompts", type=int, default=6, help="prompts per throughput batch")
+    ap.add_argument("--miss-tokens", type=int, default=1024, help="tokens per throughput prompt")
+    ap.add_argument("--rounds", type=int, default=3, help="throughput batches per engine (median)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--work", default=str(ROOT / ".cache"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    model = smollm2(Path(args.work) / "models" / "smollm2-135m-instruct")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tmp = Path(tempfile.mkdtemp(prefix="lmctl-ttft-", dir=args.work))
+    result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct float32", "sizes": {}}
+    try:
+        eng = Engine(model, tmp / "store", max_model_len=max(sizes) + 64, lora=False)
+        ttft(eng, text_tokens(tok, 300, 999))  # warm up the engine
+        for size in sizes:
+            cold, warm, cached = [], [], []
+            for r in range(args.repeats):
+                prefix = text_tokens(tok, size, 1000 * size + r)
+                cold.append(ttft(eng, prefix + text_tokens(tok, 16, 1))[0])
+            # the last prefix is now in the store: ask new questions about it
+            for q in range(args.repeats):
+                dt, c = ttft(eng, prefix + text_tokens(tok, 16, 100 + q))
+                warm.append(dt)
+                cached.append(c)
+            rec = statistics.median(cold)
+            hot = statistics.median(warm)
+            result["sizes"][str(size)] = {"recompute_s": round(rec, 3), "warm_s": round(hot, 3),
+                                          "ratio": round(hot / rec, 4), "speedup": round(rec / hot, 1),
+                                          "cached_tokens": int(statistics.median(cached))}
+        from engine_hook.vllm import live_connectors
+
+        result["connector"] = next(c for c in live_connectors() if c.role.name == "WORKER").stats()
+        eng.close()
+
+        rounds: dict[str, list[float]] = {"off": [], "on": []}
+        seed = 10**6
+        for mode in ("off", "on"):
+            eng = Engine(model, None if mode == "off" else tmp / "store-miss", max_model_len=args.miss_tokens + 64,
+                         lora=False)
+            throughput(eng, [text_tokens(tok, 200, 5)], 4)  # warm up
+            for _ in range(args.rounds):
+                batch = []
+                for _ in range(args.miss_prompts):
+                    seed += 1
+                    batch.append(text_tokens(tok, args.miss_tokens, seed))
+                rounds[mode].append(throughput(eng, batch, 16))
+            eng.close()
+        off, on = statistics.median(rounds["off"]), statistics.median(rounds["on"])
+        result["miss_throughput"] = {"off_tok_s": round(off, 1), "on_tok_s": round(on, 1),
+                                     "ratio": round(on / off, 4), "rounds": rounds}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'prefix':>8} {'recompute':>10} {'warm':>8} {'warm/recompute':>15} {'cached':>7}")
+    for size, r in result["sizes"].items():
+        print(f"{size:>8} {r['recompute_s']:9.3f}s {r['warm_s']:7.3f}s {r['ratio']:15.3f} {r['cached_tokens']:7}")
+    m = result["miss_throughput"]
+    print(f"misses: {m['on_tok_s']:.0f} tok/s with the connector, {m['off_tok_s']:.0f} without "
+          f"(ratio {m['ratio']:.3f})")
+
+
+if __name__ == "__main__":
+    main()

