@@ -44,7 +44,8 @@ class Engine:
                                    kv_role="kv_both", kv_connector_extra_config={"store_path": str(self.store_path)})
         # vLLM's own in-memory prefix cache is off, so that every hit comes from the store
         self.llm = LLM(str(self.model), dtype="float32", max_model_len=self.max_model_len,
-                       enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=False, kv_transfer_config=ktc, seed=0, **self.kw)
+                       enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=False,
+                       kv_transfer_config=ktc, seed=0, **self.kw)
 
     def flush(self, timeout: float = 120) -> None:
         """Wait until the connector's queued saves are in the store."""
