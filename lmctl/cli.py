@@ -1,21 +1,28 @@
-"""The lmctl command line.
+"""The lmctl command line: ``lmctl [--socket PATH] [--json] COMMAND ...``.
 
-At this stage the commands open the store directly (``--store DIR`` or
-``LMCTL_STORE``); the daemon and its socket come next (docs/cli.md). Nothing here
-imports torch or vllm, and the store library is imported only inside commands, so
-``lmctl --help`` starts fast.
+Every command except ``serve`` and ``completion`` is a short adapter over one request to
+the daemon (``lmctl/ops.py`` does the work there). Output options and selectors are
+declared once. Exit codes live in one enum and are mapped from exceptions in one place.
+Nothing here imports torch, vllm or numpy, and the store library is imported by ``serve``
+only, so ``lmctl --help`` starts fast.
 """
 
-from __future__ import annotations
-
+import functools
+import inspect
 import json
+import os
+import re
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Annotated, Any
 
 import typer
 
 from . import __version__
+from .client import Client, RemoteError, Unreachable, default_socket
 
 
 class Exit(IntEnum):
@@ -25,33 +32,80 @@ class Exit(IntEnum):
     UNREACHABLE = 3
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate an lmctl KV-cache store.")
-StoreOpt = Annotated[str, typer.Option("--store", envvar="LMCTL_STORE", help="store directory")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+ERROR_EXIT = {"usage": Exit.USAGE, "failed": Exit.FAILED, "protocol": Exit.FAILED, "denied": Exit.FAILED,
+              "unreachable": Exit.UNREACHABLE}
 
 
-def _fail(message: str, code: Exit, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"error": {"code": int(code), "message": message}}))
+@dataclass
+class Terminal:
+    """Where output goes: passed around as an object so tests and the shell control it."""
+
+    json: bool = False
+    socket: str = field(default_factory=default_socket)
+    client: Client | None = None
+    keep_open: bool = False  # the shell keeps one connection for the whole session
+
+    def call(self, cmd: str, args: dict[str, Any] | None = None, long: bool = False) -> dict[str, Any]:
+        if self.client is None:
+            self.client = Client(self.socket)
+        try:
+            if long and not self.json:
+                with _progress() as update:
+                    return self.client.call(cmd, args, update)
+            return self.client.call(cmd, args)
+        finally:
+            if not self.keep_open and self.client is not None:
+                self.client.close()
+                self.client = None
+
+
+class CommandError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def _progress() -> Iterator[Callable[[int, int, str], None]]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=True, disable=not console.is_terminal)
+    task = None
+    with bar:
+        def update(done: int, total: int, what: str) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task(what or "working", total=total or None)
+            bar.update(task, completed=done, total=total or None, description=what or "working")
+
+        yield update
+
+
+def _fail(term: Terminal, code: str, message: str) -> None:
+    exit_code = ERROR_EXIT.get(code, Exit.FAILED)
+    if term.json:
+        print(json.dumps({"error": {"code": code, "message": message, "exit": int(exit_code)}}))
     else:
         print(f"lmctl: {message}", file=sys.stderr)
-    raise typer.Exit(int(code))
+    raise typer.Exit(int(exit_code))
 
 
-def _open(path: str, as_json: bool) -> Any:
-    import os
-
-    from store import Store, StoreError
-
-    if not os.path.isdir(os.path.join(path, "index")):
-        _fail(f"no store at {path} (expected {path}/index)", Exit.FAILED, as_json)
+def run(term: Terminal, fn: Callable[[], None]) -> None:
+    """Run a command body, mapping every failure to one line and its exit code."""
     try:
-        return Store(path)
-    except StoreError as exc:
-        _fail(str(exc), Exit.FAILED, as_json)
+        fn()
+    except Unreachable as exc:
+        _fail(term, "unreachable", str(exc))
+    except RemoteError as exc:
+        _fail(term, exc.code, str(exc))
+    except CommandError as exc:
+        _fail(term, exc.code, str(exc))
 
 
-def _human(n: float) -> str:
+def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -59,61 +113,587 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _table(title: str | None, cols: list[str], rows: list[list[str]], right: set[str] | None = None) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, justify="right" if right and c in right else "left")
+    for r in rows:
+        t.add_row(*r)
+    _console().print(t)
+
+
+def _emit(term: Terminal, result: dict[str, Any], human_out: Callable[[dict[str, Any]], None]) -> None:
+    if term.json:
+        print(json.dumps(result))
+    else:
+        human_out(result)
+
+
+# -- the app and its global options ------------------------------------------------------
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Operate an lmctl KV-cache store through its daemon (lmctl serve).",
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
 @app.callback(invoke_without_command=True)
-def _main(version: Annotated[bool, typer.Option("--version", help="print the version")] = False) -> None:
+def _main(
+    ctx: typer.Context,
+    socket_path: Annotated[str | None, typer.Option(
+        "--socket", envvar="LMCTL_SOCKET", help="daemon socket [default: $LMCTL_STORE/lmctl.sock]")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output (numbers as numbers)")] = False,
+    version: Annotated[bool, typer.Option("--version", help="print the version and exit")] = False,
+) -> None:
     if version:
         print(__version__)
         raise typer.Exit(0)
+    term = ctx.obj if isinstance(ctx.obj, Terminal) else Terminal()
+    if socket_path:
+        term.socket = socket_path
+    term.json = term.json or as_json
+    ctx.obj = term
+
+
+def _term(ctx: typer.Context) -> Terminal:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Terminal)
+    return obj
+
+
+# -- selectors, declared once --------------------------------------------------------------
+def _complete_names(kind: str) -> Callable[[str], list[str]]:
+    def complete(incomplete: str) -> list[str]:
+        try:
+            names = Client(default_socket(), timeout=2).call("names")
+        except Exception:
+            return []
+        return [n for n in names.get(kind, []) if n.startswith(incomplete)]
+
+    return complete
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text)
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a duration like 90s, 30m, 12h or 7d")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+
+
+SELECTORS: list[inspect.Parameter] = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
+    for name, default, ann in [
+        ("key", None, Annotated[list[str] | None, typer.Option(
+            "--key", help="a chunk key (96 hex digits); repeatable", rich_help_panel="Selectors")]),
+        ("model", None, Annotated[str | None, typer.Option(
+            help="model id as the engine serves it", autocompletion=_complete_names("models"),
+            rich_help_panel="Selectors")]),
+        ("adapter", None, Annotated[str | None, typer.Option(
+            help="LoRA adapter: NAME (newest served), NAME@DIGEST or its folder",
+            autocompletion=_complete_names("adapters"), rich_help_panel="Selectors")]),
+        ("base", False, Annotated[bool, typer.Option(
+            "--base", help="the base model only (no adapter)", rich_help_panel="Selectors")]),
+        ("label", None, Annotated[str | None, typer.Option(
+            help="chunks pinned under this label", autocompletion=_complete_names("labels"),
+            rich_help_panel="Selectors")]),
+        ("tier", None, Annotated[str | None, typer.Option(
+            help="dram, nvme or remote", rich_help_panel="Selectors")]),
+        ("older_than", None, Annotated[str | None, typer.Option(
+            help="not used for this long (90s, 30m, 12h, 7d)", rich_help_panel="Selectors")]),
+        ("pinned", None, Annotated[bool | None, typer.Option(
+            "--pinned/--unpinned", help="only pinned / only unpinned chunks", rich_help_panel="Selectors")]),
+        ("text", None, Annotated[str | None, typer.Option(
+            help="a document given inline", rich_help_panel="Documents")]),
+        ("file", None, Annotated[str | None, typer.Option(
+            help="a document in a text file ('-' for stdin)", rich_help_panel="Documents")]),
+        ("tokens", None, Annotated[str | None, typer.Option(
+            help="a JSON file with a list of token ids", rich_help_panel="Documents")]),
+        ("messages", None, Annotated[str | None, typer.Option(
+            help="a JSON file of chat messages, rendered with the model's chat template",
+            rich_help_panel="Documents")]),
+        ("tokenizer", None, Annotated[str | None, typer.Option(
+            help="tokenizer folder or id [default: the one the engine recorded]", rich_help_panel="Documents")]),
+        ("salt", None, Annotated[str | None, typer.Option(
+            "--cache-salt", help="the requests' cache_salt", rich_help_panel="Documents")]),
+    ]
+]
+SELECTOR_NAMES = [p.name for p in SELECTORS]
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise CommandError("usage", f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def build_selector(v: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if v.get("key"):
+        out["keys"] = list(v["key"])
+    for k in ("model", "label", "tier", "tokenizer", "salt"):
+        if v.get(k) is not None:
+            out[k] = v[k]
+    if v.get("adapter") is not None:
+        a = v["adapter"]
+        out["adapter"] = os.path.abspath(a) if os.path.isdir(a) else a
+    if v.get("base"):
+        out["base"] = True
+    if v.get("pinned") is not None:
+        out["pinned"] = v["pinned"]
+    if v.get("older_than") is not None:
+        try:
+            out["older_than"] = parse_duration(v["older_than"])
+        except typer.BadParameter as exc:
+            raise CommandError("usage", str(exc.message)) from None
+    docs = [k for k in ("text", "file", "tokens", "messages") if v.get(k) is not None]
+    if len(docs) > 1:
+        raise CommandError("usage", "give one document: --text, --file, --tokens or --messages")
+    if docs:
+        kind = docs[0]
+        if kind == "text":
+            out["doc"] = {"text": v["text"]}
+        elif kind == "file":
+            out["doc"] = {"text": _read(v["file"], "document")}
+        else:
+            raw = _read(v[kind], "--" + kind)
+            try:
+                out["doc"] = {kind: json.loads(raw)}
+            except ValueError:
+                raise CommandError("usage", f"--{kind} {v[kind]} is not valid JSON") from None
+    return out
+
+
+def with_selectors(fn: Callable[..., None]) -> Callable[..., None]:
+    """Add the shared selector options to a command; it receives them as ``sel``."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name != "sel"] + SELECTORS
+
+    @functools.wraps(fn)
+    def wrapper(**kw: Any) -> None:
+        raw = {k: kw.pop(k) for k in SELECTOR_NAMES}
+        term = _term(kw["ctx"])
+        sel: dict[str, Any] = {}
+
+        def build() -> None:
+            sel.update(build_selector(raw))
+
+        run(term, build)
+        fn(sel=sel, **kw)
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change; change nothing")]
+
+
+# -- commands ---------------------------------------------------------------------------------
+@app.command()
+def serve(
+    store: Annotated[str, typer.Option(envvar="LMCTL_STORE", help="store folder (created if missing)")],
+    socket_path: Annotated[str | None, typer.Option(
+        "--socket", envvar="LMCTL_SOCKET", help="socket path [default: STORE/lmctl.sock]")] = None,
+    allow_uid: Annotated[list[int] | None, typer.Option(help="also accept clients of this uid; repeatable")] = None,
+    maintenance_interval: Annotated[float, typer.Option(help="seconds between background evict/compact runs")] = 30.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
+) -> None:
+    """Run the daemon in the foreground (logs to stderr; SIGTERM or Ctrl-C stops it)."""
+    import logging
+
+    from store import StoreError
+
+    from .daemon import AlreadyServing, Daemon
+
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
+    d = Daemon(store, socket_path, allow_uid or (), maintenance_interval)
+    try:
+        code = d.serve()
+    except AlreadyServing as exc:
+        print(f"lmctl: {exc}", file=sys.stderr)
+        raise typer.Exit(int(Exit.FAILED)) from None
+    except StoreError as exc:
+        print(f"lmctl: {exc}", file=sys.stderr)
+        raise typer.Exit(int(Exit.FAILED)) from None
+    raise typer.Exit(code)
 
 
 @app.command()
-def inspect(store: StoreOpt, as_json: JsonOpt = False) -> None:
-    """Store statistics: tiers, usage, capacity, counters."""
-    s = _open(store, as_json)
-    try:
-        st = s.stats()
-    finally:
-        s.close()
-    if as_json:
-        print(json.dumps(st))
-        return
-    from rich.console import Console
-    from rich.table import Table
+def status(ctx: typer.Context) -> None:
+    """Daemon and store health: tiers, usage, capacity, running jobs."""
+    term = _term(ctx)
 
-    t = Table(title=f"lmctl store {store}")
-    for col in ("tier", "chunks", "bytes", "on disk", "capacity", "pinned", "segments"):
-        t.add_column(col, justify="right" if col != "tier" else "left")
-    for name, v in st["tiers"].items():
-        t.add_row(name, str(v["chunks"]), _human(v["bytes"]), _human(v["disk_bytes"]), _human(v["capacity"]),
-                  _human(v["pinned_bytes"]), str(v["segments"]))
-    c = Console()
-    c.print(t)
-    k = st["counters"]
-    c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "
-            f"write amplification {st['write_amplification']:.4f}")
+    def body() -> None:
+        r = term.call("status")
+
+        def show(r: dict[str, Any]) -> None:
+            d = r["daemon"]
+            c = _console()
+            c.print(f"lmctl {d['version']} serving [bold]{r['store']['path']}[/bold] on {d['socket']} "
+                    f"(pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
+            _tiers(r["store"]["tiers"])
+            k = r["store"]["counters"]
+            c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "
+                    f"write amplification {r['store']['write_amplification']:.4f}")
+            for j in r["jobs"]:
+                c.print(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
+
+        _emit(term, r, show)
+
+    run(term, body)
+
+
+def _tiers(tiers: dict[str, Any]) -> None:
+    rows = []
+    for name, v in tiers.items():
+        cap = v["capacity"]
+        rows.append([name, str(v["chunks"]), human(v["bytes"]), human(cap),
+                     f"{100 * v.get('disk_bytes', v['bytes']) / cap:.1f}%" if cap else "-",
+                     human(v.get("pinned_bytes", 0))])
+    _table(None, ["tier", "chunks", "bytes", "capacity", "used", "pinned"], rows,
+           {"chunks", "bytes", "capacity", "used", "pinned"})
 
 
 @app.command()
-def verify(store: StoreOpt, deep: Annotated[bool, typer.Option(help="read and checksum every payload")] = False,
-           fix: Annotated[bool, typer.Option(help="repair what is found")] = False, as_json: JsonOpt = False) -> None:
-    """Check index/segment consistency (and checksums with --deep); --fix repairs."""
-    s = _open(store, as_json)
-    try:
-        problems = s.check(fix=fix, deep=deep)
-    finally:
-        s.close()
-    unfixed = [p for p in problems if not p.fixed]
-    if as_json:
-        print(json.dumps({"problems": [p.__dict__ for p in problems], "ok": not unfixed}))
+@with_selectors
+def lookup(ctx: typer.Context, sel: dict[str, Any]) -> None:
+    """How much of a document is cached: hit tokens, chunks per tier, first miss."""
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call("lookup", sel)
+
+        def show(r: dict[str, Any]) -> None:
+            c = _console()
+            if r.get("total_tokens"):
+                pct = 100 * r["hit_tokens"] / r["total_tokens"]
+                c.print(f"{r['hit_tokens']} of {r['total_tokens']} tokens cached ({pct:.0f}%), "
+                        f"{r['hit_chunks']} of {len(r['chunks'])} full chunks"
+                        + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None else ""))
+                ns = r.get("namespace") or {}
+                c.print(f"model {ns.get('model')}  adapter {ns.get('adapter') or '(base)'}")
+            rows = [[str(x["index"]), x["key"][:24] + "…", x["tier"] or "[red]miss[/red]"] for x in r["chunks"]]
+            _table(None, ["chunk", "key", "tier"], rows)
+
+        _emit(term, r, show)
+
+    run(term, body)
+
+
+@app.command()
+@with_selectors
+def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> None:
+    """Pin chunks or a document under --label (durable; never evicted). Works before it is served."""
+    _mutate(ctx, "pin", sel, dry_run, lambda r: (
+        f"{'would pin' if r['dry_run'] else 'pinned'} {r['chunks']} chunk(s) under {r['label']!r} "
+        f"({r['stored']} stored now, {r['added']} new pin reference(s))"))
+
+
+@app.command()
+@with_selectors
+def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> None:
+    """Remove a label's pins (all of them, or those a selector picks)."""
+    _mutate(ctx, "unpin", sel, dry_run, lambda r: (
+        f"{'would remove' if r['dry_run'] else 'removed'} {r['removed']} pin reference(s) of {r['label']!r}"))
+
+
+@app.command()
+@with_selectors
+def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.Option(
+        "--force", help="evict pinned chunks too")] = False, dry_run: DryRun = False) -> None:
+    """Remove chunks from the store (never pinned ones unless --force)."""
+    sel = {**sel, "force": force}
+    _mutate(ctx, "evict", sel, dry_run, lambda r: (
+        f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
+        + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")), long=True)
+
+
+@app.command()
+@with_selectors
+def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Option(
+        help="destination tier: dram, nvme or remote")], dry_run: DryRun = False) -> None:
+    """Move chunks to another tier."""
+    _mutate(ctx, "move", {**sel, "to": to}, dry_run, lambda r: (
+        f"{'would move' if r['dry_run'] else 'moved'} {r['chunks']} chunk(s), {human(r['bytes'])} to {r['to']}"
+        + (f" ({r['skipped']} already there)" if r["skipped"] else "")), long=True)
+
+
+@app.command()
+@with_selectors
+def compress(ctx: typer.Context, sel: dict[str, Any],
+             level: Annotated[int, typer.Option(help="zstd level, 1-19")] = 1,
+             codec: Annotated[str, typer.Option(help="zstd-shuffle, zstd or raw")] = "zstd-shuffle",
+             dry_run: DryRun = False) -> None:
+    """Recompress chunks and report the bytes saved."""
+    _mutate(ctx, "compress", {**sel, "level": level, "codec": codec}, dry_run, lambda r: (
+        f"would recompress {r['chunks']} chunk(s), {human(r['bytes'])}" if r["dry_run"] else
+        f"recompressed {r['chunks']} chunk(s): {human(r['bytes_before'])} -> {human(r['bytes_after'])}, "
+        f"saved {human(r['bytes_saved'])}"), long=True)
+
+
+def _mutate(ctx: typer.Context, cmd: str, sel: dict[str, Any], dry_run: bool,
+            line: Callable[[dict[str, Any]], str], long: bool = False) -> None:
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call(cmd, {**sel, "dry_run": dry_run}, long=long)
+        _emit(term, r, lambda r: _console().print(line(r)))
+
+    run(term, body)
+
+
+@app.command("inspect")
+def inspect_(ctx: typer.Context, key: Annotated[str | None, typer.Option(
+        help="one chunk's metadata")] = None) -> None:
+    """Store statistics by tier, model, adapter and label, or one chunk's metadata."""
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call("inspect", {"key": key} if key else {})
+
+        def show(r: dict[str, Any]) -> None:
+            if "chunk" in r:
+                ch = r["chunk"]
+                _table(None, ["field", "value"], [[k, json.dumps(v) if not isinstance(v, str) else v]
+                                                  for k, v in ch.items()])
+                return
+            c = _console()
+            c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
+            _tiers(r["tiers"])
+            if r["adapters"]:
+                _table("by model and adapter", ["model", "adapter", "chunks", "bytes"],
+                       [[a["model"], a["adapter"] or "(base)", str(a["chunks"]), human(a["bytes"])]
+                        for a in r["adapters"]], {"chunks", "bytes"})
+            if r["labels"]:
+                _table("labels", ["label", "chunks"], [[k, str(v)] for k, v in r["labels"].items()], {"chunks"})
+            k = r["counters"]
+            c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}")
+
+        _emit(term, r, show)
+
+    run(term, body)
+
+
+@app.command("ls")
+@with_selectors
+def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
+        help="rows to list (0: all)")] = 100) -> None:
+    """List chunks matching a selector (all chunks without one)."""
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call("ls", {**sel, "limit": limit})
+
+        def show(r: dict[str, Any]) -> None:
+            rows = [[x["key"][:24] + "…", x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
+                     str(x["hits"]), x["adapter"] or "(base)"] for x in r["chunks"]]
+            _table(None, ["key", "tier", "bytes", "tokens", "pins", "hits", "adapter"], rows,
+                   {"bytes", "tokens", "pins", "hits"})
+            more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
+            _console().print(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
+
+        _emit(term, r, show)
+
+    run(term, body)
+
+
+@app.command()
+@with_selectors
+def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None, typer.Option(
+        help="also prefill the document through this OpenAI-compatible server (http://host:port)")] = None,
+         dry_run: DryRun = False) -> None:
+    """Before a restart or traffic shift: promote chunks to dram; --endpoint prefills missing ones."""
+    term = _term(ctx)
+
+    def body() -> None:
+        out: dict[str, Any] = {}
+        if endpoint:
+            if "doc" not in sel:
+                raise CommandError("usage", "--endpoint needs a document (--text, --file or --messages)")
+            before = term.call("lookup", sel)
+            out["prefill"] = {"endpoint": endpoint, "hit_tokens_before": before["hit_tokens"]}
+            if not dry_run and before.get("first_miss") is not None:
+                _prefill(endpoint, sel)
+            after = term.call("lookup", sel) if not dry_run else before
+            out["prefill"]["hit_tokens_after"] = after["hit_tokens"]
+            out["prefill"]["total_tokens"] = after["total_tokens"]
+        try:
+            out.update(term.call("warm", {**sel, "dry_run": dry_run}, long=True))
+        except RemoteError as exc:
+            if not endpoint or "dram is not configured" not in str(exc):
+                raise
+            out.update({"chunks": 0, "bytes": 0, "note": str(exc)})
+
+        def show(r: dict[str, Any]) -> None:
+            c = _console()
+            if "prefill" in r:
+                p = r["prefill"]
+                c.print(f"prefill: {p['hit_tokens_before']} -> {p['hit_tokens_after']} of {p['total_tokens']} "
+                        "tokens cached")
+            c.print(r.get("note") or f"{'would promote' if r.get('dry_run') else 'promoted'} {r['chunks']} "
+                    f"chunk(s), {human(r['bytes'])} to dram")
+
+        _emit(term, out, show)
+
+    run(term, body)
+
+
+def _prefill(endpoint: str, sel: dict[str, Any]) -> None:
+    """Send the document once through the engine (one output token) so it stores the KV."""
+    import urllib.error
+    import urllib.request
+
+    doc = sel["doc"]
+    body: dict[str, Any] = {"model": sel.get("model"), "max_tokens": 1, "temperature": 0}
+    if "messages" in doc:
+        url, body["messages"] = endpoint.rstrip("/") + "/v1/chat/completions", doc["messages"]
+    elif "tokens" in doc:
+        url, body["prompt"] = endpoint.rstrip("/") + "/v1/completions", doc["tokens"]
     else:
-        for p in problems:
-            print(f"{'fixed' if p.fixed else 'found'}: {p.kind}: {p.detail}")
-        print("ok" if not unfixed else f"{len(unfixed)} problem(s) left")
-    raise typer.Exit(0 if not unfixed else int(Exit.FAILED))
+        url, body["prompt"] = endpoint.rstrip("/") + "/v1/completions", doc["text"]
+    if sel.get("adapter") and "@" not in sel["adapter"] and os.sep not in sel["adapter"]:
+        body["model"] = sel["adapter"]  # vLLM serves a LoRA adapter under its name
+    if sel.get("salt"):
+        body["cache_salt"] = sel["salt"]
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            resp.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise CommandError("failed", f"prefill through {url} failed: {exc}") from None
 
 
-def main() -> None:
-    app()
+@app.command()
+def verify(ctx: typer.Context, deep: Annotated[bool, typer.Option(help="read and checksum every payload")] = False,
+           fix: Annotated[bool, typer.Option(help="repair what is found")] = False) -> None:
+    """Check index/segment consistency (and checksums with --deep); --fix repairs."""
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call("verify", {"deep": deep, "fix": fix}, long=True)
+
+        def show(r: dict[str, Any]) -> None:
+            for p in r["problems"]:
+                print(f"{'fixed' if p['fixed'] else 'found'}: {p['kind']}: {p['detail']}")
+            left = sum(1 for p in r["problems"] if not p["fixed"])
+            print("ok" if not left else f"{left} problem(s) left; run lmctl verify --fix")
+
+        _emit(term, r, show)
+        if not r["ok"]:
+            raise typer.Exit(int(Exit.FAILED))
+
+    run(term, body)
+
+
+@app.command()
+def shell(ctx: typer.Context) -> None:
+    """An interactive session over one connection: history, tab completion, help."""
+    from .shell import Shell
+
+    term = _term(ctx)
+    term.keep_open = True
+    Shell(app, term).loop()
+
+
+completion_app = typer.Typer(help="Shell completion scripts (bash, zsh, fish).", no_args_is_help=True)
+app.add_typer(completion_app, name="completion")
+SHELLS = ("bash", "zsh", "fish")
+
+
+def completion_script(shell_name: str) -> str:
+    """The script for a shell, generated by typer from this app (it calls back into
+    ``lmctl`` with ``_LMCTL_COMPLETE`` set, so completions follow the installed CLI)."""
+    from typer._completion_classes import completion_init
+    from typer._completion_shared import get_completion_script
+
+    if shell_name not in SHELLS:
+        raise CommandError("usage", f"unknown shell {shell_name!r}; choose bash, zsh or fish")
+    completion_init()
+    return get_completion_script(prog_name="lmctl", complete_var="_LMCTL_COMPLETE", shell=shell_name) + "\n"
+
+
+@completion_app.command("show")
+def completion_show(shell_name: Annotated[str, typer.Argument(metavar="SHELL", help="bash, zsh or fish")]) -> None:
+    """Print the completion script for a shell."""
+    run(Terminal(), lambda: print(completion_script(shell_name), end=""))
+
+
+def completion_target(shell_name: str, home: str) -> str:
+    return {
+        "bash": os.path.join(home, ".local/share/bash-completion/completions/lmctl"),
+        "zsh": os.path.join(home, ".zfunc/_lmctl"),
+        "fish": os.path.join(home, ".config/fish/completions/lmctl.fish"),
+    }[shell_name]
+
+
+@completion_app.command("install")
+def completion_install(shell_name: Annotated[str | None, typer.Option(
+        "--shell", help="bash, zsh or fish [default: from $SHELL]")] = None) -> None:
+    """Install the completion script where the shell finds it (in your home folder)."""
+    term = Terminal()
+
+    def body() -> None:
+        name = shell_name or os.path.basename(os.environ.get("SHELL", "bash"))
+        if name not in SHELLS:
+            raise CommandError("usage", f"cannot tell the shell from {name!r}; pass --shell bash|zsh|fish")
+        path = completion_target(name, os.path.expanduser("~"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(completion_script(name))
+        print(f"installed {name} completion to {path}")
+        if name == "zsh":
+            print("add to ~/.zshrc (before compinit): fpath=(~/.zfunc $fpath)")
+
+    run(term, body)
+
+
+# -- entry point ---------------------------------------------------------------------------
+def hoist_globals(argv: list[str]) -> list[str]:
+    """Accept the global options after the command too: ``lmctl lookup ... --json``.
+    (``serve`` has its own ``--socket``.)"""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in ("serve", "completion"):
+        return argv
+    out: list[str] = []
+    globals_: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--json":
+            globals_.append(a)
+        elif a == "--socket" and i + 1 < len(argv):
+            globals_ += [a, argv[i + 1]]
+            i += 1
+        elif a.startswith("--socket="):
+            globals_.append(a)
+        else:
+            out.append(a)
+        i += 1
+    return globals_ + out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = hoist_globals(list(sys.argv[1:] if argv is None else argv))
+    if os.environ.get("_LMCTL_COMPLETE"):  # a completion script is asking
+        from typer._completion_classes import completion_init
+
+        completion_init()
+        args = list(sys.argv[1:])
+    app(args=args, prog_name="lmctl")
 
 
 if __name__ == "__main__":

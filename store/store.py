@@ -384,7 +384,8 @@ class Store:
         """Store one chunk; see ``put_many``."""
         return self.put_many([PutItem(key, data, layout, tokens, codec)])[0]
 
-    def put_many(self, items: Sequence[PutItem], tier: str | None = None) -> list[bool]:
+    def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None,
+                 _replace: dict[bytes, Entry] | None = None) -> list[bool]:
         """Store chunks in one batch: one reservation, sequential writes, one sync, one commit.
 
         Returns, per item, whether it was stored. A chunk that is already present is
@@ -403,13 +404,13 @@ class Store:
             itemsize = DTYPE_SIZES.get(dtype, 1)
             cid = codec_id(it.codec or self.config.codec)
             raw = memoryview(it.data).cast("B")
-            stored = self.codec.encode(cid, raw, itemsize)
+            stored = self.codec.encode(cid, raw, itemsize, level)
             now = time.time()
             rec_len = record_len(len(memoryview(stored)))
             prepared.append((it, layout, cid, raw, stored, rec_len, now))
 
         with self._lock:
-            plan = self._reserve(st, [(p[0].key, p[5]) for p in prepared])
+            plan = self._reserve(st, [(p[0].key, p[5]) for p in prepared], replacing=set(_replace or ()))
             written = 0
             results = [False] * len(prepared)
             todo = []
@@ -439,14 +440,23 @@ class Store:
                     st.io.sync(fd)
             self._close_retired(st)
 
+            unlink: list[tuple[str, int]] = []
+
             def commit(txn: lmdb.Transaction) -> None:
                 payload = 0
                 for i, p, seg, off, csum in done:
                     it, layout, cid, raw, stored, rec_len, now = p
-                    if txn.get(it.key, db=self._db_chunks) is not None:
-                        continue  # another process stored it meanwhile; ours is dead space
+                    created, last, hits = now, now, 0
+                    cur = txn.get(it.key, db=self._db_chunks)
+                    if cur is not None:
+                        old = (_replace or {}).get(it.key)
+                        e_cur = Entry.unpack(cur)
+                        if old is None or (e_cur.seg, e_cur.off, e_cur.tier) != (old.seg, old.off, old.tier):
+                            continue  # stored (or changed) meanwhile by another process; ours is dead space
+                        self._unindex_entry(txn, it.key, e_cur, unlink)
+                        created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
                     e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), csum,
-                              it.tokens, 0, cid, st.tid, now, now, layout)
+                              it.tokens, hits, cid, st.tid, created, last, layout)
                     self._index_entry(txn, it.key, e)
                     results[i] = True
                     payload += e.stored_len
@@ -455,7 +465,57 @@ class Store:
                 self._add(txn, "puts", sum(results))
 
             self._write(commit)
+            self._unlink(unlink)
             return results
+
+    def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
+                level: int | None = None, progress: Callable[[int, int], None] | None = None,
+                dry_run: bool = False) -> dict[str, int]:
+        """Move chunks to ``tier`` and/or re-encode them with ``codec`` (at ``level``).
+
+        Each chunk is read (and verified), written anew, and its index entry switched in
+        one transaction; pins, hit counts and access times carry over. Chunks already in
+        that tier with that codec are left alone. Returns counts: ``chunks`` rewritten,
+        ``bytes_before`` and ``bytes_after`` (stored bytes), ``skipped``, ``missing``.
+        """
+        if tier is not None:
+            self._tier(tier)
+        want_codec = None if codec is None else codec_id(codec)
+        out = {"chunks": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0, "missing": 0}
+        total = len(keys)
+        for n, key in enumerate(keys):
+            if progress is not None:
+                progress(n, total)
+            out[self._rewrite_one(key, tier, want_codec, level, dry_run, out)] += 1
+        if progress is not None:
+            progress(total, total)
+        return out
+
+    def _rewrite_one(self, key: bytes, tier: str | None, want_codec: int | None, level: int | None,
+                     dry_run: bool, out: dict[str, int]) -> str:
+        for _attempt in range(5):  # compaction may relocate the chunk under us: try again
+            with self._read() as txn:
+                raw = txn.get(key, db=self._db_chunks)
+            if raw is None:
+                return "missing"
+            e = Entry.unpack(raw)
+            dst_tier = tier or e.tier_name
+            dst_codec = e.codec if want_codec is None else want_codec
+            if dst_tier == e.tier_name and dst_codec == e.codec and (level is None or dst_codec == 0):
+                return "skipped"
+            if dry_run:
+                out["bytes_before"] += e.stored_len
+                return "chunks"
+            chunk = self.get(key)
+            if chunk is None:
+                return "missing"
+            item = PutItem(key, chunk.data, chunk.layout, chunk.tokens, CODEC_NAMES[dst_codec])
+            if self.put_many([item], dst_tier, level=level, _replace={key: e})[0]:
+                new = self.info(key)
+                out["bytes_before"] += e.stored_len
+                out["bytes_after"] += new.stored_bytes if new else 0
+                return "chunks"
+        return "skipped"
 
     def _index_entry(self, txn: lmdb.Transaction, key: bytes, e: Entry) -> None:
         txn.put(key, e.pack(), db=self._db_chunks)
@@ -522,7 +582,8 @@ class Store:
                 f"tier {name!r} is not configured in this store (configured: {', '.join(self._tiers)})"
             ) from None
 
-    def _reserve(self, st: _TierState, needs: list[tuple[bytes, int]]) -> list[tuple[int, int, int] | None]:
+    def _reserve(self, st: _TierState, needs: list[tuple[bytes, int]],
+                 replacing: set[bytes] | None = None) -> list[tuple[int, int, int] | None]:
         """Reserve space for records in this process's open segment, evicting if needed."""
         total = sum(n for _, n in needs)
         self._enforce_capacity(st.name, total)
@@ -533,7 +594,8 @@ class Store:
             cap = st.cfg.capacity
             used = self._get_counter(txn, f"used:{st.name}")
             for key, n in needs:
-                if txn.get(key, db=self._db_chunks) is not None or n + ALIGN > cap:
+                present = key not in (replacing or ()) and txn.get(key, db=self._db_chunks) is not None
+                if present or n + ALIGN > cap:
                     out.append(None)
                     if n + ALIGN > cap:
                         self._add(txn, "rejected_full", 1)
@@ -629,14 +691,15 @@ class Store:
         return seg_id
 
     # -- capacity and eviction ---------------------------------------------------
-    def _enforce_capacity(self, tier: str, incoming: int) -> int:
-        """Evict (LRU, never pinned) until ``incoming`` more bytes fit; returns chunks evicted."""
+    def _enforce_capacity(self, tier: str, incoming: int, trim: bool = False) -> int:
+        """Evict (LRU, never pinned) until ``incoming`` more bytes fit; returns chunks evicted.
+        With ``trim``, evict down to the low watermark even if they fit already."""
         st = self._tier(tier)
         cap = st.cfg.capacity
         with self._read() as txn:
             used = self._get_counter(txn, f"used:{tier}")
         incoming += ALIGN  # room for a new segment's header
-        if used + incoming <= cap:
+        if used + incoming <= cap and not trim:
             return 0
         to_free = used + incoming - int(cap * self.config.low_watermark)
         unlink: list[tuple[str, int]] = []
@@ -672,6 +735,23 @@ class Store:
                 self._seal_open(st)
                 self.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
         return n
+
+    def maintain(self, high_watermark: float = 0.95) -> dict[str, int]:
+        """Background housekeeping (the daemon calls it periodically): evict any tier above
+        ``high_watermark`` of its capacity down to the low watermark, compact mostly-dead
+        segments and write pending access times. Returns what it did."""
+        out = {"evicted": 0, "segments_compacted": 0, "bytes_reclaimed": 0}
+        for name, st in self._tiers.items():
+            with self._read() as txn:
+                used = self._get_counter(txn, f"used:{name}")
+            if used > high_watermark * st.cfg.capacity:
+                with self._lock:
+                    out["evicted"] += self._enforce_capacity(name, 0, trim=True)
+        segs, reclaimed = self.compact()
+        out["segments_compacted"] += segs
+        out["bytes_reclaimed"] += reclaimed
+        self.flush()
+        return out
 
     def evict(self, keys: Iterable[bytes], force: bool = False) -> tuple[int, int]:
         """Remove chunks by key; pinned ones only with ``force``. Returns (chunks, bytes)."""

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store import (
+    GiB,
     MiB,
     Namespace,
     PinBudgetError,
@@ -327,3 +328,30 @@ def test_batch_that_crosses_a_segment_boundary(make_store: MakeStore) -> None:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
     assert store.stats()["counters"]["corrupt"] == 0
+
+
+def test_rewrite_moves_and_recompresses_keeping_pins_and_bytes(tmp_path: Path) -> None:
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=1 * GiB), "dram": TierConfig(capacity=256 * MiB)},
+                      segment_bytes=4 * MiB)
+    s = Store(tmp_path / "s", cfg)
+    try:
+        keys = [key(i) for i in range(6)]
+        zeros = bytes(64 * 1024)  # compressible
+        for k in keys:
+            assert s.put(k, zeros[:-8] + k[:8], SMALL_LAYOUT, tokens=16)
+        s.pin("doc", keys[:2])
+        dry = s.rewrite(keys[:3], tier="dram", dry_run=True)
+        assert dry["chunks"] == 3 and s.locate(keys[:3]) == ["nvme"] * 3
+        res = s.rewrite(keys[:3], tier="dram")
+        assert res["chunks"] == 3 and s.locate(keys) == ["dram"] * 3 + ["nvme"] * 3
+        assert s.pin_refs(keys[0]) == 1 and s.stats()["tiers"]["dram"]["pinned_bytes"] > 0
+        comp = s.rewrite(keys, codec="zstd-shuffle", level=3)
+        assert comp["chunks"] == 6 and comp["bytes_after"] < comp["bytes_before"] // 10
+        for k in keys:
+            got = s.get(k)
+            assert got is not None and bytes(got.data) == zeros[:-8] + k[:8]
+        assert s.rewrite(keys, codec="zstd-shuffle")["skipped"] == 6
+        assert s.evict(keys[:2]) == (0, 0)  # still pinned after both rewrites
+        assert s.check(deep=True) == []
+    finally:
+        s.close()

@@ -1,0 +1,96 @@
+"""The CLI's side of the socket: one connection, requests in order, progress streamed."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from . import protocol
+
+DEFAULT_STORE = "/var/lib/lmctl"
+
+
+def default_socket() -> str:
+    """``$LMCTL_SOCKET``, else ``$LMCTL_STORE/lmctl.sock``, else the default store's socket."""
+    if os.environ.get("LMCTL_SOCKET"):
+        return os.environ["LMCTL_SOCKET"]
+    return os.path.join(os.environ.get("LMCTL_STORE") or DEFAULT_STORE, "lmctl.sock")
+
+
+class Unreachable(Exception):
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"no lmctl daemon on {path} ({why}); start one with: lmctl serve --store DIR")
+        self.path = path
+
+
+class RemoteError(Exception):
+    """The daemon answered with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Client:
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+
+    def connect(self) -> None:
+        if self._sock is not None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.path)
+        except FileNotFoundError:
+            s.close()
+            raise Unreachable(self.path, "no such socket") from None
+        except ConnectionRefusedError:
+            s.close()
+            raise Unreachable(self.path, "connection refused: stale socket") from None
+        except PermissionError:
+            s.close()
+            raise Unreachable(self.path, "permission denied") from None
+        except OSError as exc:
+            s.close()
+            raise Unreachable(self.path, exc.strerror or str(exc)) from None
+        self._sock = s
+
+    def call(self, cmd: str, args: dict[str, Any] | None = None,
+             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+        self.connect()
+        assert self._sock is not None
+        rid = next(self._ids)
+        try:
+            protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
+            while True:
+                msg = protocol.read_frame(self._sock)
+                if msg is None:
+                    self.close()
+                    raise Unreachable(self.path, "the daemon closed the connection")
+                if "progress" in msg:
+                    if progress is not None:
+                        p = msg["progress"]
+                        progress(int(p.get("done", 0)), int(p.get("total", 0)), str(p.get("what", "")))
+                    continue
+                if msg.get("ok"):
+                    return dict(msg.get("result") or {})
+                err = msg.get("error") or {}
+                raise RemoteError(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.close()
+            raise Unreachable(self.path, f"connection lost: {exc}") from None
+        except protocol.ProtocolError as exc:
+            self.close()
+            raise RemoteError("protocol", str(exc)) from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

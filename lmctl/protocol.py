@@ -1,0 +1,92 @@
+"""The wire protocol between ``lmctl`` and ``lmctl serve``: framed, versioned JSON.
+
+A frame is a 4-byte header, ``b"LM"`` plus the protocol version (one byte) and a zero
+byte, then a 4-byte big-endian body length, then the body: one UTF-8 JSON object.
+
+* request: ``{"id": N, "cmd": "lookup", "args": {...}}``
+* progress (any number, before the reply): ``{"id": N, "progress": {"done": d, "total": t, "what": "..."}}``
+* reply: ``{"id": N, "ok": true, "result": {...}}`` or
+  ``{"id": N, "ok": false, "error": {"code": "usage"|"failed"|"protocol", "message": "..."}}``
+
+Bodies over ``MAX_FRAME`` bytes are refused: the daemon answers with an error and closes
+the connection, since the rest of the stream cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+VERSION = 1
+MAGIC = b"LM"
+MAX_FRAME = 8 << 20
+_HEADER = struct.Struct(">2sBxI")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame."""
+
+
+class FrameTooLarge(ProtocolError):
+    pass
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"message of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(MAGIC, VERSION, len(body)) + body
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            if not buf:
+                return None
+            raise ProtocolError("connection closed in the middle of a frame")
+        buf += part
+    return bytes(buf)
+
+
+BODY_TIMEOUT = 30.0
+
+
+def read_frame(sock: socket.socket) -> dict[str, Any] | None:
+    """One message, or None when the peer closed the connection cleanly. Waiting for a
+    message may take forever (an idle shell); once one has begun, the rest must arrive
+    within ``BODY_TIMEOUT`` seconds."""
+    head = _recv_exact(sock, _HEADER.size)
+    if head is None:
+        return None
+    magic, version, length = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError("not an lmctl frame (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if length > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {length} bytes is over the {MAX_FRAME}-byte limit")
+    before = sock.gettimeout()
+    sock.settimeout(BODY_TIMEOUT if before is None else min(before, BODY_TIMEOUT))
+    try:
+        body = _recv_exact(sock, length)
+    except TimeoutError:
+        raise ProtocolError(f"frame body not received within {BODY_TIMEOUT:.0f} s") from None
+    finally:
+        sock.settimeout(before)
+    if body is None:
+        raise ProtocolError("connection closed in the middle of a frame")
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        raise ProtocolError("frame body is not JSON") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("frame body is not a JSON object")
+    return msg
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode(msg))

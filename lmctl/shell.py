@@ -1,0 +1,142 @@
+"""``lmctl shell``: the same commands as the one-shot CLI, over one daemon connection.
+
+GNU readline gives history (kept in ``~/.lmctl_history``) and tab completion of
+commands, their options, and label, adapter and model names fetched from the daemon.
+An error prints its one line and the shell carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Any
+
+import typer
+
+HISTORY = os.path.expanduser("~/.lmctl_history")
+VALUE_NAMES = {"--label": "labels", "--adapter": "adapters", "--model": "models"}
+NOT_IN_SHELL = {"shell", "serve", "completion"}
+
+
+class Shell:
+    def __init__(self, app: typer.Typer, term: Any) -> None:
+        self.app = app
+        self.term = term
+        cmd: Any = typer.main.get_command(app)
+        self.cmd = cmd
+        self.commands: dict[str, Any] = {n: c for n, c in cmd.commands.items() if n not in NOT_IN_SHELL}
+        self._names: dict[str, list[str]] | None = None
+
+    # -- completion ------------------------------------------------------------------
+    def names(self, refresh: bool = False) -> dict[str, list[str]]:
+        if self._names is None or refresh:
+            try:
+                self._names = self.term.call("names")
+            except Exception:
+                self._names = {}
+        return self._names
+
+    def candidates(self, line: str, text: str) -> list[str]:
+        """What may complete ``text``, the last word of ``line`` typed so far."""
+        words = shlex.split(line[: len(line) - len(text)]) if line.strip() else []
+        if not words:
+            return sorted(n for n in [*self.commands, "help", "exit", "quit"] if n.startswith(text))
+        cmd = self.commands.get(words[0])
+        if cmd is None:
+            return []
+        if words[-1] in VALUE_NAMES:
+            return [n for n in self.names(refresh=True).get(VALUE_NAMES[words[-1]], []) if n.startswith(text)]
+        if words[-1] == "--to" or words[-1] == "--tier":
+            return [t for t in ("dram", "nvme", "remote") if t.startswith(text)]
+        opts = []
+        for p in cmd.params:
+            if getattr(p, "param_type_name", "") == "option":
+                opts.extend(list(p.opts) + list(p.secondary_opts))
+        return sorted(o for o in opts if o.startswith(text))
+
+    def _complete(self, text: str, state: int) -> str | None:
+        import readline
+
+        try:
+            options = self.candidates(readline.get_line_buffer()[: readline.get_endidx()], text)
+        except ValueError:  # an open quote
+            options = []
+        return options[state] + " " if state < len(options) else None
+
+    # -- the loop --------------------------------------------------------------------------
+    def execute(self, line: str) -> int:
+        """Run one line as the CLI would; returns its exit code (errors never end the shell)."""
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:
+            print(f"lmctl: {exc}", file=sys.stderr)
+            return 2
+        if not words:
+            return 0
+        if words[0] in ("help", "?"):
+            return self._help(words[1:])
+        if words[0] in NOT_IN_SHELL:
+            print(f"lmctl: {words[0]} is not available inside the shell", file=sys.stderr)
+            return 2
+        if words[0] not in self.commands:
+            print(f"lmctl: unknown command {words[0]!r}; type help", file=sys.stderr)
+            return 2
+        try:
+            self.cmd.main(args=words, prog_name="lmctl", standalone_mode=False, obj=self.term)
+            return 0
+        except typer.Exit as exc:
+            return int(exc.exit_code)
+        except typer.Abort:
+            return 1
+        except Exception as exc:  # usage errors, and a bug in one command: never the end of the session
+            if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+                print(f"lmctl: {exc.format_message()}", file=sys.stderr)
+                return int(exc.exit_code)
+            print(f"lmctl: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+
+    def _help(self, rest: list[str]) -> int:
+        if rest and rest[0] in self.commands:
+            return self.execute(f"{shlex.quote(rest[0])} --help")
+        print("commands: " + ", ".join(sorted(self.commands)))
+        print("help COMMAND shows its options; Tab completes; exit or Ctrl-D leaves")
+        return 0
+
+    def loop(self) -> None:
+        try:
+            import readline
+        except ImportError:  # pragma: no cover - readline is there on Linux
+            readline = None  # type: ignore[assignment]
+        if readline is not None:
+            try:
+                readline.read_history_file(HISTORY)
+            except OSError:
+                pass
+            readline.set_completer_delims(" \t\n\"'")
+            readline.set_completer(self._complete)
+            readline.parse_and_bind("tab: complete")
+        print(f"lmctl shell on {self.term.socket}; type help, Tab to complete, exit to leave")
+        try:
+            while True:
+                try:
+                    line = input("lmctl> ")
+                except EOFError:
+                    print()
+                    break
+                except KeyboardInterrupt:
+                    print()
+                    continue
+                if line.strip() in ("exit", "quit"):
+                    break
+                self.execute(line)
+                sys.stdout.flush()
+        finally:
+            if readline is not None:
+                try:
+                    readline.set_history_length(1000)
+                    readline.write_history_file(HISTORY)
+                except OSError:
+                    pass
+            if self.term.client is not None:
+                self.term.client.close()
