@@ -70,6 +70,9 @@ def tiny_llama(folder: str | os.PathLike[str], vocab: int = 1024) -> Path:
     corpus = [sample_text(200, seed) + " 0123456789 ,.;:!?" for seed in range(200)]
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     fast.save_pretrained(tmp)
 
     cfg = LlamaConfig(

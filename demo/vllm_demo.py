@@ -124,7 +124,7 @@ def main() -> None:
     print(f"\nstore: {t['chunks']} chunks, {t['bytes'] / 2**20:.1f} MiB in {t['segments']} segment file(s), "
           f"write amplification {summary['write_amplification']:.4f}, "
           f"namespaces (model x adapter): {len(rows)}")
-    print(f"inspect it yourself: .venv/bin/lmctl inspect --store {store}")
+    print(f"look inside: .venv/bin/lmctl serve --store {store} &  then  LMCTL_STORE={store} .venv/bin/lmctl inspect")
 
 
 if __name__ == "__main__":

@@ -661,6 +661,37 @@ def completion_install(shell_name: Annotated[str | None, typer.Option(
     run(term, body)
 
 
+def reference_markdown() -> str:
+    """The command reference for docs/cli.md, generated from the app (a test keeps them equal)."""
+    root: Any = typer.main.get_command(app)
+    out = ["| command | options |", "|---|---|"]
+
+    def walk(prefix: str, group: Any) -> None:
+        for name, cmd in group.commands.items():
+            full = f"{prefix} {name}".strip()
+            if hasattr(cmd, "commands"):
+                walk(full, cmd)
+                continue
+            opts = []
+            names = {p.name for p in cmd.params}
+            shared = set(SELECTOR_NAMES) <= names
+            for p in cmd.params:
+                if shared and p.name in SELECTOR_NAMES:
+                    continue
+                if getattr(p, "param_type_name", "") == "option":
+                    flags = "/".join(list(p.opts) + list(p.secondary_opts))
+                    opts.append(f"`{flags}`" + (" (required)" if p.required else ""))
+                elif getattr(p, "param_type_name", "") == "argument":
+                    opts.append(f"`{(p.metavar or p.name).upper()}`")
+            if shared:
+                opts.append("[selectors](#selectors)")
+            summary = (cmd.help or "").strip().splitlines()[0] if cmd.help else ""
+            out.append(f"| `lmctl {full}`: {summary} | {', '.join(opts)} |")
+
+    walk("", root)
+    return "\n".join(out) + "\n"
+
+
 # -- entry point ---------------------------------------------------------------------------
 def hoist_globals(argv: list[str]) -> list[str]:
     """Accept the global options after the command too: ``lmctl lookup ... --json``.

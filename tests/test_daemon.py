@@ -440,3 +440,12 @@ def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon
     assert (tmp_path / ".lmctl_history").read_text().count("inspect") == 1
     st = cj(daemon, "status")
     assert st["daemon"]["requests"] >= 5
+
+
+def test_cli_reference_in_the_docs_matches_the_app() -> None:
+    from lmctl.cli import reference_markdown
+
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    start = doc.index("<!-- generated: lmctl reference -->\n") + len("<!-- generated: lmctl reference -->\n")
+    end = doc.index("<!-- end generated -->")
+    assert doc[start:end] == reference_markdown(), "docs/cli.md reference is stale: regenerate it from the app"

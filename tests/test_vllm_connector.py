@@ -11,15 +11,18 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, flip_byte
+from conftest import ROOT, env_with_path, flip_byte
 
 import demo.engine  # noqa: F401  (sets vLLM's environment first; vLLM is required, never skipped)
 from demo.engine import Engine as BaseEngine  # noqa: E402
-from demo.models import make_lora, tiny_llama  # noqa: E402
+from demo.models import make_lora, sample_text, tiny_llama  # noqa: E402
 from engine_hook.vllm import LMCtlConnector, live_connectors  # noqa: E402
 from store import Namespace, Store  # noqa: E402
 
@@ -42,7 +45,7 @@ S = prompt(4, 700)
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cache = Path(os.environ.get("LMCTL_TEST_MODELS", str(ROOT / ".cache" / "test-models")))
     cache.mkdir(parents=True, exist_ok=True)
-    base = tiny_llama(cache / "tiny-llama")
+    base = tiny_llama(cache / "tiny-llama-v2")
     return {
         "base": base,
         "A": make_lora(base, cache / "lora-a", seed=1),
@@ -188,6 +191,57 @@ def test_namespace_records_model_and_tokenizer(engine: Engine) -> None:
     assert (kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["chunk_size"]) == \
         (4, 2, 64, "float32", 256)
     assert kv["block_size"] > 0 and 256 % kv["block_size"] == 0
+
+
+def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path) -> None:
+    """lmctl tokenizes --text and --messages exactly as vLLM does, with the tokenizer the
+    hook recorded, so lookups and pins of a document match what the engine stored."""
+    model = str(engine.models["base"])
+    text = sample_text(700, seed=5)
+    engine.generate(text)
+    msgs = [{"role": "system", "content": sample_text(300, seed=6)}, {"role": "user", "content": "why?"}]
+    from vllm import SamplingParams
+
+    out = engine.llm.chat(msgs, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
+    engine.flush()
+    chat_tokens = len(out.prompt_token_ids)
+    text_tokens = len(engine.llm.get_tokenizer()(text)["input_ids"])
+    assert text_tokens >= 512 and chat_tokens >= 256
+
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(engine.store_path),
+                             "--socket", str(sock)], env=env_with_path(), stderr=subprocess.DEVNULL)
+
+    def cli(*args: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(sock), "--json", *args],
+                           capture_output=True, text=True, env=env_with_path(), timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout)
+
+    try:
+        for _ in range(200):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        r = cli("lookup", "--model", model, "--text", text)
+        assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // 256 * 256
+        mfile = tmp_path / "msgs.json"
+        mfile.write_text(json.dumps(msgs))
+        r = cli("lookup", "--model", model, "--messages", str(mfile))
+        assert r["total_tokens"] == chat_tokens and r["hit_tokens"] == chat_tokens // 256 * 256
+        assert cli("lookup", "--model", model, "--adapter", "a", "--text", text)["hit_tokens"] == 0
+        # pin a document before it is ever served; serving it then fills the pinned chunks
+        fresh = sample_text(300, seed=7)
+        r = cli("pin", "--model", model, "--label", "contract", "--text", fresh)
+        assert r["chunks"] >= 1 and r["stored"] == 0
+        engine.generate(fresh)
+        r = cli("lookup", "--model", model, "--text", fresh)
+        assert r["hit_chunks"] == len(r["chunks"]) >= 1
+        assert cli("evict", "--model", model, "--base")["skipped_pinned"] >= r["hit_chunks"]
+        assert cli("lookup", "--model", model, "--text", fresh)["hit_chunks"] == r["hit_chunks"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_restarted_engine_hits_the_same_store(engine: Engine, reference: dict) -> None:
