@@ -92,8 +92,11 @@ class _Req:
 
 
 def kv_format_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int,
-                   tp_rank: int) -> tuple[KVFormat, list[str]]:
-    """The KV format (and the attention layer names) of this engine, from its configs."""
+                   tp_rank: int) -> tuple[KVFormat, list[str], int]:
+    """The KV format, the attention layer names and the block size of this engine.
+
+    The block size is not part of the format (nor of the key): payloads use one canonical
+    layout, so chunks move between engines with different block sizes."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise StoreError(f"lmctl supports models with one KV cache group (plain attention); this one has {len(groups)}")
@@ -110,9 +113,9 @@ def kv_format_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chun
     fmt = KVFormat(
         dtype=dtype_name(spec.dtype), num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size), tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        tp_rank=tp_rank, chunk_size=chunk_size, block_size=block_size,
+        tp_rank=tp_rank, chunk_size=chunk_size,
     )
-    return fmt, layers
+    return fmt, layers, block_size
 
 
 def _served_name(vllm_config: VllmConfig) -> str:
@@ -143,8 +146,8 @@ class LMCtlConnector(KVConnectorBase_V1):
                 tp_rank = get_tensor_model_parallel_rank()
             except Exception:  # not initialised: a single worker
                 tp_rank = 0
-        self.kv_format, self.layer_names = kv_format_from(vllm_config, kv_cache_config, s.chunk_size, tp_rank)
-        self.block_size = self.kv_format.block_size
+        self.kv_format, self.layer_names, self.block_size = kv_format_from(
+            vllm_config, kv_cache_config, s.chunk_size, tp_rank)
         if s.chunk_size % self.block_size:
             raise StoreError(f"chunk_size {s.chunk_size} must be a multiple of vLLM's block size {self.block_size}")
 

@@ -82,6 +82,9 @@ class Shell:
         if words[0] not in self.commands:
             print(f"lmctl: unknown command {words[0]!r}; type help", file=sys.stderr)
             return 2
+        as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
+        words = [w for w in words if w != "--json"]
+        saved, self.term.json = self.term.json, self.term.json or as_json
         try:
             self.cmd.main(args=words, prog_name="lmctl", standalone_mode=False, obj=self.term)
             return 0
@@ -95,6 +98,8 @@ class Shell:
                 return int(exc.exit_code)
             print(f"lmctl: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
+        finally:
+            self.term.json = saved
 
     def _help(self, rest: list[str]) -> int:
         if rest and rest[0] in self.commands:

@@ -63,8 +63,6 @@ class KVFormat:
     tp_rank: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     layout_version: int = LAYOUT_VERSION
-    #: the engine's KV block size in tokens (0: not paged, e.g. the engine-agnostic API)
-    block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -74,9 +72,6 @@ class KVFormat:
                 raise StoreError(f"KV format field {name} must be positive")
         if not 0 <= self.tp_rank < self.tp_size:
             raise StoreError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
-        if self.block_size < 0 or (self.block_size and self.chunk_size % self.block_size):
-            raise StoreError(
-                f"chunk size {self.chunk_size} must be a multiple of the engine's block size {self.block_size}")
 
     @property
     def chunk_bytes(self) -> int:

@@ -403,7 +403,7 @@ def test_completion_callback_offers_labels_from_the_daemon(daemon: Daemon, tmp_p
 
 
 def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon, tmp_path: Path) -> None:
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     cj(daemon, "pin", "--label", "contracts", "--tokens", tokens_file(tmp_path, TOKENS))
     env = env_with_path()
     env["HOME"] = str(tmp_path)
@@ -431,13 +431,16 @@ def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon
         sh.sendline("")
         sh.expect("hits")
         sh.expect("lmctl> ")
+        sh.sendline("inspect --json")
+        sh.expect('"labels": {"contracts": 4}')
+        sh.expect("lmctl> ")
         sh.sendline("help")
         sh.expect("commands:")
         sh.sendline("exit")
         sh.expect(pexpect.EOF)
     finally:
         sh.close()
-    assert (tmp_path / ".lmctl_history").read_text().count("inspect") == 1
+    assert (tmp_path / ".lmctl_history").read_text().count("inspect") == 2
     st = cj(daemon, "status")
     assert st["daemon"]["requests"] >= 5
 

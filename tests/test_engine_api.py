@@ -15,7 +15,7 @@ from engine_hook.identity import AdapterCache
 from engine_hook.transfer import ChunkWriter, PagedKV, StagingPool, chunk_tensor
 from store import KVFormat, Store, StoreError
 
-FMT = KVFormat("float32", num_layers=3, num_kv_heads=2, head_dim=8, chunk_size=32, block_size=16)
+FMT = KVFormat("float32", num_layers=3, num_kv_heads=2, head_dim=8, chunk_size=32)
 BS = 16
 NB = 10
 

@@ -190,7 +190,8 @@ def test_namespace_records_model_and_tokenizer(engine: Engine) -> None:
     kv = docs[0]["namespace"]["kv_format"]
     assert (kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["chunk_size"]) == \
         (4, 2, 64, "float32", 256)
-    assert kv["block_size"] > 0 and 256 % kv["block_size"] == 0
+    bs = docs[0]["info"]["block_size"]  # recorded, but not part of the key (canonical payloads)
+    assert bs > 0 and 256 % bs == 0 and "block_size" not in kv
 
 
 def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path) -> None:
