@@ -12,6 +12,7 @@ see comes from the lmctl store.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -23,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the demo's output readable
 import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imported)
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
