@@ -152,6 +152,7 @@ class LMCtlConnector(KVConnectorBase_V1):
             raise StoreError(f"chunk_size {s.chunk_size} must be a multiple of vLLM's block size {self.block_size}")
 
         self.store = open_shared(s.store_path)
+        self._released = False
         if role == KVConnectorRole.SCHEDULER:
             s.apply(self.store)
         mc = vllm_config.model_config
@@ -383,10 +384,13 @@ class LMCtlConnector(KVConnectorBase_V1):
         return True if self._writer is None else self._writer.flush(timeout)
 
     def shutdown(self) -> None:
+        """Write what is queued and let go of the store (safe to call more than once)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        release_shared(self.store)
+        if not self._released:
+            self._released = True
+            release_shared(self.store)
 
 
 def live_connectors() -> list[LMCtlConnector]:
