@@ -25,9 +25,10 @@ class Engine:
     """One ``vllm.LLM``, with or without the lmctl connector on ``store``."""
 
     def __init__(self, model: Path, store: Path | None, max_model_len: int = 2048, lora: bool = True,
-                 **kw: Any) -> None:
+                 prefix_caching: bool = False, **kw: Any) -> None:
         self.model = model
         self.lora = lora
+        self.prefix_caching = prefix_caching
         self.store_path = store
         self.max_model_len = max_model_len
         self.kw = kw
@@ -42,9 +43,9 @@ class Engine:
         if self.store_path is not None:
             ktc = KVTransferConfig(kv_connector="LMCtlConnector", kv_connector_module_path="engine_hook.vllm",
                                    kv_role="kv_both", kv_connector_extra_config={"store_path": str(self.store_path)})
-        # vLLM's own in-memory prefix cache is off, so that every hit comes from the store
+        # vLLM's own in-memory prefix cache is off by default, so that every hit comes from the store
         self.llm = LLM(str(self.model), dtype="float32", max_model_len=self.max_model_len,
-                       enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=False,
+                       enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=self.prefix_caching,
                        kv_transfer_config=ktc, seed=0, **self.kw)
 
     def flush(self, timeout: float = 120) -> None:

@@ -249,3 +249,23 @@ def test_a_restarted_engine_hits_the_same_store(engine: Engine, reference: dict)
     engine.restart()
     assert engine.run(P, "A") == (reference[("P", "A")], 512)
     assert engine.run(Q, "B") == (reference[("Q", "B")], 512)
+
+
+def test_store_fills_in_beyond_vllms_own_prefix_cache(engine: Engine, reference: dict) -> None:
+    """With vLLM's prefix cache on, the store supplies only what vLLM does not hold: here
+    vLLM holds P's first block (128 tokens), the store the rest of both chunks."""
+    from vllm.lora.request import LoRARequest
+
+    engine.close()
+    engine.prefix_caching = True
+    engine.start()
+    lora = LoRARequest("a", 99, str(engine.models["A"]))
+    engine.generate(P[:200] + prompt(9, 100), lora, MAX_TOKENS)  # leaves P's block 0 in vLLM's cache
+    before = engine.connector().loaded_chunks
+    sched = next(c for c in live_connectors() if c.role.name == "SCHEDULER")
+    hits = sched.hit_tokens
+    out = engine.generate(P, lora, MAX_TOKENS)
+    assert int(out.num_cached_tokens) == 512
+    assert sched.hit_tokens - hits == 512 - 128  # vLLM had block 0; the store gave the rest
+    assert list(out.outputs[0].token_ids) == reference[("P", "A")]
+    assert engine.connector().loaded_chunks - before == 2  # chunk 0 only in part (its block 1)
