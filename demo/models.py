@@ -78,7 +78,7 @@ def tiny_llama(folder: str | os.PathLike[str], vocab: int = 1024) -> Path:
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="float32",
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, dtype="float32",
     )
     torch.manual_seed(1234)
     model = LlamaForCausalLM(cfg)
@@ -145,6 +145,6 @@ def make_lora(base: str | os.PathLike[str], folder: str | os.PathLike[str], seed
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    peft_model.save_pretrained(tmp)
+    peft_model.save_pretrained(str(tmp))
     (tmp / "lmctl-adapter.json").write_text(json.dumps({"seed": seed, "rank": rank}) + "\n")
     return _finish(tmp, out)

@@ -167,6 +167,13 @@ class LMCtlConnector(KVConnectorBase_V1):
         self.book = NamespaceBook(self.store, self.model_id, info, s.model_fingerprint)
         self.adapters = AdapterCache()
         self._layout = chunk_layout(self.kv_format)
+        # Record the base model's namespace now, so that operators can look up, pin and
+        # warm documents for this model before its first request (and, with tensor
+        # parallelism, every rank's KV format is known: each worker records its own).
+        try:
+            self.book.get(self.kv_format, None, None)
+        except Exception as exc:  # an unwritable store must not stop the engine here
+            log.warning("lmctl: could not record the model's namespace: %s", exc)
 
         # scheduler side
         self._reqs: dict[str, _Req] = {}

@@ -524,11 +524,17 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
         if endpoint:
             if "doc" not in sel:
                 raise CommandError("usage", "--endpoint needs a document (--text, --file or --messages)")
-            before = term.call("lookup", sel)
+            try:
+                before = term.call("lookup", sel)
+            except RemoteError as exc:  # e.g. an engine that has not recorded the model yet
+                if exc.code != "failed":
+                    raise
+                before = {"hit_tokens": 0, "total_tokens": 0, "first_miss": 0}
             out["prefill"] = {"endpoint": endpoint, "hit_tokens_before": before["hit_tokens"]}
+            after = before
             if not dry_run and before.get("first_miss") is not None:
                 _prefill(endpoint, sel)
-            after = term.call("lookup", sel) if not dry_run else before
+                after = _settled_lookup(term, sel)
             out["prefill"]["hit_tokens_after"] = after["hit_tokens"]
             out["prefill"]["total_tokens"] = after["total_tokens"]
         try:
@@ -550,6 +556,23 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
         _emit(term, out, show)
 
     run(term, body)
+
+
+def _settled_lookup(term: Terminal, sel: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+    """Look the document up until the engine's background saves have landed: every full
+    chunk cached, or no change for a second, or ``timeout``."""
+    import time
+
+    end = time.monotonic() + timeout
+    last, still_since = -1, time.monotonic()
+    while True:
+        r = term.call("lookup", sel)
+        full = r["total_tokens"] // r["chunk_size"] * r["chunk_size"] if r.get("chunk_size") else 0
+        if r["hit_tokens"] != last:
+            last, still_since = r["hit_tokens"], time.monotonic()
+        if r["hit_tokens"] >= full or time.monotonic() - still_since > 1.0 or time.monotonic() > end:
+            return r
+        time.sleep(0.1)
 
 
 def _prefill(endpoint: str, sel: dict[str, Any]) -> None:

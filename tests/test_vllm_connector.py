@@ -81,6 +81,29 @@ class Engine(BaseEngine):
         return self.connector().store
 
 
+class LmctlDaemon:
+    """`lmctl serve` on a store, and `lmctl --json ...` against it."""
+
+    def __init__(self, store: Path, sock: Path) -> None:
+        self.sock = sock
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store),
+                                      "--socket", str(sock)], env=env_with_path(), stderr=subprocess.DEVNULL)
+        for _ in range(400):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+
+    def __call__(self, *args: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(self.sock), "--json", *args],
+                           capture_output=True, text=True, env=env_with_path(), timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 CASES = [("P", None), ("P", "A"), ("P", "B"), ("P", "A2"), ("Q", None), ("Q", "A"), ("Q", "B"),
          ("R", "A"), ("S", None)]
 PROMPTS = {"P": P, "Q": Q, "R": R, "S": S}
@@ -209,21 +232,9 @@ def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path
     text_tokens = len(engine.llm.get_tokenizer()(text)["input_ids"])
     assert text_tokens >= 512 and chat_tokens >= 256
 
-    sock = tmp_path / "d.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(engine.store_path),
-                             "--socket", str(sock)], env=env_with_path(), stderr=subprocess.DEVNULL)
-
-    def cli(*args: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(sock), "--json", *args],
-                           capture_output=True, text=True, env=env_with_path(), timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(r.stdout)
-
+    assert engine.store_path is not None
+    cli = LmctlDaemon(engine.store_path, tmp_path / "d.sock")
     try:
-        for _ in range(200):
-            if sock.exists():
-                break
-            time.sleep(0.05)
         r = cli("lookup", "--model", model, "--text", text)
         assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // 256 * 256
         mfile = tmp_path / "msgs.json"
@@ -241,8 +252,7 @@ def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path
         assert cli("evict", "--model", model, "--base")["skipped_pinned"] >= r["hit_chunks"]
         assert cli("lookup", "--model", model, "--text", fresh)["hit_chunks"] == r["hit_chunks"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        cli.stop()
 
 
 def test_a_restarted_engine_hits_the_same_store(engine: Engine, reference: dict) -> None:
@@ -269,3 +279,55 @@ def test_store_fills_in_beyond_vllms_own_prefix_cache(engine: Engine, reference:
     assert sched.hit_tokens - hits == 512 - 128  # vLLM had block 0; the store gave the rest
     assert list(out.outputs[0].token_ids) == reference[("P", "A")]
     assert engine.connector().loaded_chunks - before == 2  # chunk 0 only in part (its block 1)
+
+
+def test_warm_prefills_a_document_through_vllm_serve(models: dict[str, Path], tmp_path: Path) -> None:
+    """A deploy script's warm-up against a real OpenAI-compatible vLLM server (the
+    connector in vLLM's multi-process mode): the model is known to lmctl from the
+    engine's start, and `warm --endpoint` fills the store with the document's chunks."""
+    import socket as pysocket
+    import urllib.request
+
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    env = env_with_path()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
+    ktc = {"kv_connector": "LMCtlConnector", "kv_connector_module_path": "engine_hook.vllm", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"store_path": str(store)}}
+    model = str(models["base"])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--no-enable-prefix-caching",
+         "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    daemon = None
+    try:
+        end = time.time() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None, server.stderr.read() if server.stderr else "server died"
+                assert time.time() < end, "vLLM server did not start"
+                time.sleep(0.5)
+        daemon = cli = LmctlDaemon(store, tmp_path / "d.sock")
+        text = sample_text(600, seed=11)
+        # known before any request: the connector records the model when the engine starts
+        assert cli("lookup", "--model", model, "--text", text)["hit_tokens"] == 0
+        r = cli("warm", "--endpoint", f"http://127.0.0.1:{port}", "--model", model, "--text", text)
+        assert r["prefill"]["hit_tokens_before"] == 0
+        assert r["prefill"]["hit_tokens_after"] == r["prefill"]["total_tokens"] // 256 * 256 >= 512
+        assert "dram is not configured" in r["note"]
+        assert cli("lookup", "--model", model, "--text", text)["hit_chunks"] >= 2
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
