@@ -214,16 +214,11 @@ class LMCtlConnector(KVConnectorBase_V1):
     def _match(self, request: Request, num_computed_tokens: int) -> int:
         prompt = list(request.prompt_token_ids or [])
         ns = self._namespace(request, self.kv_format)
-        keys = ns.chunk_keys(prompt)
-        tiers = self.store.locate(keys) if keys else []
-        stored = [t is not None for t in tiers]
-        hit = 0
-        while hit < len(stored) and stored[hit]:
-            hit += 1
-        cs, bs = self.kv_format.chunk_size, self.block_size
+        found = self.store.lookup(ns, prompt)
+        bs = self.block_size
         # the last prompt token is always computed (vLLM needs its logits)
-        end = min(hit * cs, (len(prompt) - 1) // bs * bs) if prompt else 0
-        st = _Req(ns, keys, stored)
+        end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
+        st = _Req(ns, found.keys, [t is not None for t in found.tiers])
         self._reqs[request.request_id] = st
         self.lookups += 1
         if end <= num_computed_tokens:
@@ -275,7 +270,7 @@ class LMCtlConnector(KVConnectorBase_V1):
                 row: list[int | None] = []
                 for j in range(bpc):
                     tok = c * cs + j * bs
-                    bi = tok // bs
+                    bi = c * bpc + j  # the request's block index of that token
                     inside = st.load_start <= tok and tok + bs <= st.load_end
                     row.append(st.block_ids[bi] if inside and bi < len(st.block_ids) else None)
                 keys.append(st.keys[c])

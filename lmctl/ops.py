@@ -42,7 +42,7 @@ class Selection:
 
     keys: list[bytes]
     namespaces: list[Namespace]
-    tokens: int = 0          # document length in tokens (0 without a document)
+    token_ids: list[int] | None = None   # the document's tokens (None without a document)
 
 
 def _namespaces(store: Store) -> list[tuple[Namespace, dict[str, Any]]]:
@@ -132,7 +132,7 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
         keys = []
         for ns in nss:
             keys.extend(ns.chunk_keys(tokens))
-        return Selection(explicit + keys, nss, len(tokens))
+        return Selection(explicit + keys, nss, tokens)
     filters = {k for k in ("model", "adapter", "base", "label", "tier", "older_than", "pinned") if
                args.get(k) not in (None, False)}
     if not filters and not explicit:
@@ -217,21 +217,19 @@ def op_lookup(store: Store, args: dict[str, Any], progress: Progress) -> dict[st
         hit = sum(1 for t in tiers if t is not None)
         return {"total_tokens": 0, "hit_tokens": 0, "hit_chunks": hit, "chunks": chunks, "first_miss": None}
     ns = sel.namespaces[0]
-    cs = ns.kv_format.chunk_size
-    keys = sel.keys[: len(sel.keys) // len(sel.namespaces)]
-    tiers = store.locate(keys)
-    hit = 0
-    while hit < len(tiers) and tiers[hit] is not None:
-        hit += 1
+    assert sel.token_ids is not None
+    found = store.lookup(ns, sel.token_ids)
     per_tier: dict[str, int] = {}
-    for t in tiers[:hit]:
+    for t in found.tiers[: found.hit_chunks]:
         assert t is not None
         per_tier[t] = per_tier.get(t, 0) + 1
     return {
-        "total_tokens": sel.tokens, "hit_tokens": hit * cs, "hit_chunks": hit, "chunk_size": cs,
-        "first_miss": hit * cs if hit * cs < sel.tokens else None,
+        "total_tokens": found.total_tokens, "hit_tokens": found.hit_tokens, "hit_chunks": found.hit_chunks,
+        "chunk_size": found.chunk_size,
+        "first_miss": found.hit_tokens if found.hit_tokens < found.total_tokens else None,
         "tiers": per_tier, "namespace": _ns_json(ns),
-        "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
+        "chunks": [{"index": i, "key": k.hex(), "tier": t}
+                   for i, (k, t) in enumerate(zip(found.keys, found.tiers, strict=True))],
     }
 
 
