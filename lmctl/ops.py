@@ -246,7 +246,8 @@ def op_pin(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, 
     keys = list(dict.fromkeys(sel.keys))
     stored = sum(1 for t in store.locate(keys) if t is not None)
     if _arg(args, "dry_run", bool, False):
-        new = sum(1 for k in keys if k not in set(store.labels().get(label, [])))
+        have = set(store.labels().get(label, []))
+        new = sum(1 for k in keys if k not in have)
         return {"label": label, "chunks": len(keys), "stored": stored, "added": new, "dry_run": True}
     expected = 0
     if sel.namespaces:
@@ -264,7 +265,8 @@ def op_unpin(store: Store, args: dict[str, Any], progress: Progress) -> dict[str
     has_sel = any(rest.get(k) not in (None, False, []) for k in rest)
     keys = None
     if has_sel:
-        keys = [k for k in dict.fromkeys(select(store, rest).keys) if k in set(labels[label])]
+        pinned = set(labels[label])
+        keys = [k for k in dict.fromkeys(select(store, rest).keys) if k in pinned]
     target = len(labels[label]) if keys is None else len(keys)
     if _arg(args, "dry_run", bool, False):
         return {"label": label, "chunks": target, "removed": target, "dry_run": True}
