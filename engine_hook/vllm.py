@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from store.tensors import dtype_name
 
 from .api import NamespaceBook
 from .config import ConnectorSettings
-from .identity import AdapterCache
+from .identity import AdapterCache, RecentKeys
 from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_tensor
 
 if TYPE_CHECKING:
@@ -177,7 +176,7 @@ class LMCtlConnector(KVConnectorBase_V1):
 
         # scheduler side
         self._reqs: dict[str, _Req] = {}
-        self._recent_saves: OrderedDict[bytes, None] = OrderedDict()
+        self._recent_saves = RecentKeys()
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -282,11 +281,8 @@ class LMCtlConnector(KVConnectorBase_V1):
             c = st.next_save
             st.next_save += 1
             key = st.keys[c]
-            if st.stored[c] or key in self._recent_saves:
+            if st.stored[c] or not self._recent_saves.claim(key):
                 continue
-            self._recent_saves[key] = None
-            if len(self._recent_saves) > 65536:
-                self._recent_saves.popitem(last=False)
             meta.saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc]))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

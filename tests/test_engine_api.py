@@ -220,3 +220,18 @@ def test_shared_store_is_one_instance_per_folder(tmp_path: Path) -> None:
     release_shared(b)
     assert a._closed
     assert isinstance(open_shared(tmp_path / "s"), Store)
+
+
+def test_recent_save_claims_expire_so_dropped_saves_are_retried() -> None:
+    from engine_hook.identity import RecentKeys
+
+    now = [0.0]
+    rk = RecentKeys(ttl=30, limit=3, clock=lambda: now[0])
+    assert rk.claim(b"a") and not rk.claim(b"a")  # a second request in flight skips it
+    now[0] = 29.0
+    assert not rk.claim(b"a")
+    now[0] = 31.0
+    assert rk.claim(b"a")  # the first save may have been dropped: save again
+    for k in (b"b", b"c", b"d"):
+        assert rk.claim(k)
+    assert rk.claim(b"a")  # bounded: the oldest claims make room
