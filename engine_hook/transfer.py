@@ -17,18 +17,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from store import KVFormat, PutItem, Store, StoreError
+from store.segment import ALIGN
 from store.tensors import to_dtype
 
-log = logging.getLogger("lmctl.engine_hook")
+from .config import LAYOUTS
 
-ALIGN = 4096
+log = logging.getLogger("lmctl.engine_hook")
 
 
 def chunk_layout(fmt: KVFormat) -> dict[str, Any]:
@@ -85,7 +86,6 @@ class _Job:
     buf: torch.Tensor
     layout: dict[str, Any]
     tokens: int
-    done: Callable[[bytes, bool], None] | None = field(default=None)
 
 
 class ChunkWriter:
@@ -101,11 +101,10 @@ class ChunkWriter:
         self._thread = threading.Thread(target=self._run, name="lmctl-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int,
-               done: Callable[[bytes, bool], None] | None = None) -> None:
+    def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int) -> None:
         """Queue a filled buffer (taken from the pool) for writing; the writer gives it back."""
         self.stats.queued += 1
-        self._q.put(_Job(key, buf, layout, tokens, done))
+        self._q.put(_Job(key, buf, layout, tokens))
 
     def drop(self) -> None:
         self.stats.dropped += 1
@@ -157,13 +156,8 @@ class ChunkWriter:
                     else:
                         self.stats.already_stored += 1
             self.stats.busy_s += time.perf_counter() - t0
-            for j, ok in zip(jobs, results, strict=True):
+            for j in jobs:
                 self.pool.release(j.buf)
-                if j.done is not None:
-                    try:
-                        j.done(j.key, ok)
-                    except Exception:  # pragma: no cover - callbacks are ours
-                        log.exception("lmctl: writer callback failed")
                 self._q.task_done()
 
 
@@ -180,7 +174,7 @@ class PagedKV:
     The layout is recognised from the shapes; pass ``layout`` where they are ambiguous.
     """
 
-    LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
+    LAYOUTS = LAYOUTS
 
     def __init__(self, layers: Sequence[torch.Tensor], fmt: KVFormat, block_size: int,
                  layout: str | None = None) -> None:

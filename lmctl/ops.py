@@ -113,6 +113,14 @@ def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace]
     return nss, info
 
 
+FILTER_KEYS = ("model", "adapter", "base", "label", "tier", "older_than", "pinned")
+
+
+def _filters(args: dict[str, Any]) -> set[str]:
+    """The chunk filters a request sets (explicit keys and documents aside)."""
+    return {k for k in FILTER_KEYS if args.get(k) not in (None, False)}
+
+
 def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selection:
     """Resolve the shared selectors (SPEC section 6) to chunk keys."""
     doc = _arg(args, "doc", dict)
@@ -133,8 +141,7 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
         for ns in nss:
             keys.extend(ns.chunk_keys(tokens))
         return Selection(explicit + keys, nss, tokens)
-    filters = {k for k in ("model", "adapter", "base", "label", "tier", "older_than", "pinned") if
-               args.get(k) not in (None, False)}
+    filters = _filters(args)
     if not filters and not explicit:
         if need:
             raise UsageError("select chunks with --key, --label, --model, --adapter, --base, --tier, "
@@ -359,14 +366,11 @@ def _names(store: Store) -> dict[bytes, tuple[str, str | None]]:
 
 def op_ls(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     limit = _arg(args, "limit", int, 100)
-    sel_args = dict(args)
-    has = any(args.get(k) not in (None, False, []) for k in (
-        "keys", "model", "adapter", "base", "label", "tier", "older_than", "pinned", "doc"))
-    if args.get("doc") is not None:
-        keys = select(store, sel_args).keys
-        infos: Iterable[ChunkInfo] = (i for i in (store.info(k) for k in keys) if i is not None)
-    elif has:
-        infos = _filter(store, sel_args, [parse_key(k) for k in args["keys"]] if args.get("keys") else None)
+    infos: Iterable[ChunkInfo]
+    if args.get("doc") is not None or (args.get("keys") and not _filters(args)):
+        infos = (i for i in (store.info(k) for k in select(store, args).keys) if i is not None)
+    elif _filters(args):
+        infos = _filter(store, args, select(store, {"keys": args["keys"]}).keys if args.get("keys") else None)
     else:
         infos = store.iter_chunks()
     names = _names(store)
