@@ -30,10 +30,12 @@ class Exit(IntEnum):
     FAILED = 1
     USAGE = 2
     UNREACHABLE = 3
+    INTERRUPTED = 130  # Ctrl-C: the daemon cancels the job
 
 
+#: every error code of a reply or of the CLI itself, and its exit code: the one rule
 ERROR_EXIT = {"usage": Exit.USAGE, "failed": Exit.FAILED, "protocol": Exit.FAILED, "denied": Exit.FAILED,
-              "unreachable": Exit.UNREACHABLE}
+              "cancelled": Exit.FAILED, "unreachable": Exit.UNREACHABLE, "interrupted": Exit.INTERRUPTED}
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Terminal:
     socket: str = field(default_factory=default_socket)
     client: Client | None = None
     keep_open: bool = False  # the shell keeps one connection for the whole session
+    socket_given: bool = False  # --socket or $LMCTL_SOCKET named it (serve then uses it)
 
     def call(self, cmd: str, args: dict[str, Any] | None = None, long: bool = False) -> dict[str, Any]:
         if self.client is None:
@@ -84,25 +87,46 @@ def _progress() -> Iterator[Callable[[int, int, str], None]]:
         yield update
 
 
-def _fail(term: Terminal, code: str, message: str) -> None:
-    exit_code = ERROR_EXIT.get(code, Exit.FAILED)
-    if term.json:
-        print(json.dumps({"error": {"code": code, "message": message, "exit": int(exit_code)}}))
+def report(as_json: bool, code: str, message: str) -> int:
+    """Print an error as one line (stderr) or a JSON object (stdout); its exit code."""
+    exit_code = int(ERROR_EXIT.get(code, Exit.FAILED))
+    message = " ".join(str(message).split())  # one line, whatever the message held
+    if as_json:
+        print(json.dumps({"error": {"code": code, "message": message, "exit": exit_code}}))
     else:
         print(f"lmctl: {message}", file=sys.stderr)
-    raise typer.Exit(int(exit_code))
+    return exit_code
+
+
+def _fail(term: Terminal, code: str, message: str) -> None:
+    raise typer.Exit(report(term.json, code, message))
 
 
 def run(term: Terminal, fn: Callable[[], None]) -> None:
     """Run a command body, mapping every failure to one line and its exit code."""
     try:
         fn()
+    except typer.Exit:
+        raise
     except Unreachable as exc:
         _fail(term, "unreachable", str(exc))
     except RemoteError as exc:
         _fail(term, exc.code, str(exc))
     except CommandError as exc:
         _fail(term, exc.code, str(exc))
+    except KeyboardInterrupt:
+        if term.client is not None:
+            term.client.close()
+            term.client = None
+        _fail(term, "interrupted", "interrupted; the daemon cancels the job (changes made so far stay)")
+    except Exception as exc:  # a bug: still one line, never a traceback
+        _fail(term, "failed", f"internal error: {type(exc).__name__}: {exc}")
+
+
+def chunk_id(key_hex: str) -> str:
+    """The part of a key that tells chunks apart: its chunk hash (the first 32 hex digits
+    are the namespace, the same for every chunk of a model and adapter)."""
+    return key_hex[32:48] + "…"
 
 
 def human(n: float) -> str:
@@ -157,6 +181,7 @@ def _main(
     term = ctx.obj if isinstance(ctx.obj, Terminal) else Terminal()
     if socket_path:
         term.socket = socket_path
+        term.socket_given = True
     term.json = term.json or as_json
     ctx.obj = term
 
@@ -202,9 +227,9 @@ SELECTORS: list[inspect.Parameter] = [
             autocompletion=_complete_names("adapters"), rich_help_panel="Selectors")]),
         ("base", False, Annotated[bool, typer.Option(
             "--base", help="the base model only (no adapter)", rich_help_panel="Selectors")]),
-        ("label", None, Annotated[str | None, typer.Option(
-            help="chunks pinned under this label", autocompletion=_complete_names("labels"),
-            rich_help_panel="Selectors")]),
+        ("label", None, Annotated[list[str] | None, typer.Option(
+            help="chunks pinned under this label (pin/unpin: the pin's label)",
+            autocompletion=_complete_names("labels"), rich_help_panel="Selectors")]),
         ("tier", None, Annotated[str | None, typer.Option(
             help="dram, nvme or remote", rich_help_panel="Selectors")]),
         ("older_than", None, Annotated[str | None, typer.Option(
@@ -237,18 +262,34 @@ def _read(path: str, what: str) -> str:
             return f.read()
     except OSError as exc:
         raise CommandError("usage", f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CommandError("usage", f"{what} {path} is not UTF-8 text (a binary file?)") from None
+
+
+def adapter_spec(a: str) -> str:
+    """``--adapter``: a name stays a name (even if a folder of that name is here); only a
+    path (it has a slash) is a folder, sent to the daemon as an absolute path."""
+    if os.sep in a or a in (".", "..") or a.startswith("~"):
+        return os.path.abspath(os.path.expanduser(a))
+    return a
 
 
 def build_selector(v: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if v.get("key"):
         out["keys"] = list(v["key"])
-    for k in ("model", "label", "tier", "tokenizer", "salt"):
+    labels = v.get("label") or []
+    if len(labels) > 1:
+        raise CommandError("usage", f"give one --label, not {len(labels)} ({', '.join(labels)})")
+    if labels:
+        out["label"] = labels[0]
+    for k in ("model", "tier", "tokenizer", "salt"):
         if v.get(k) is not None:
             out[k] = v[k]
+    if v.get("base") and v.get("adapter") is not None:
+        raise CommandError("usage", "--base and --adapter contradict each other: give one")
     if v.get("adapter") is not None:
-        a = v["adapter"]
-        out["adapter"] = os.path.abspath(a) if os.path.isdir(a) else a
+        out["adapter"] = adapter_spec(v["adapter"])
     if v.get("base"):
         out["base"] = True
     if v.get("pinned") is not None:
@@ -302,14 +343,73 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change;
 
 
 # -- commands ---------------------------------------------------------------------------------
+def _pairs(values: list[str] | None, flag: str, default_key: str | None = None) -> list[tuple[str, str]]:
+    """``TIER=VALUE`` flags (``VALUE`` alone means ``default_key``)."""
+    out = []
+    for v in values or []:
+        k, sep, val = v.partition("=")
+        if not sep:
+            if default_key is None:
+                raise CommandError("usage", f"{flag} {v!r}: expected TIER=VALUE")
+            k, val = default_key, v
+        if not k or not val:
+            raise CommandError("usage", f"{flag} {v!r}: expected TIER=VALUE")
+        out.append((k.strip(), val.strip()))
+    return out
+
+
+def serve_settings(config: str | None, *, capacity: list[str] | None = None, tier_path: list[str] | None = None,
+                   pin_budget: list[str] | None = None, codec: str | None = None, codec_level: int | None = None,
+                   settings: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The daemon's settings from ``--config FILE`` and flags (flags win): ``(daemon, store)``."""
+    from store import StoreError
+
+    from .settings import read_config_file
+
+    daemon: dict[str, Any] = {}
+    store: dict[str, Any] = {}
+    if config:
+        try:
+            daemon, store = read_config_file(config)
+        except StoreError as exc:
+            raise CommandError("usage", str(exc)) from None
+    for tier, val in _pairs(tier_path, "--tier-path"):
+        store[f"tiers.{tier}.path"] = val
+    for tier, val in _pairs(capacity, "--capacity", "@default"):
+        store[f"tiers.{tier}.capacity"] = val
+    for tier, val in _pairs(pin_budget, "--pin-budget", "@default"):
+        store[f"tiers.{tier}.pin_budget"] = val
+    if codec is not None:
+        store["codec"] = codec
+    if codec_level is not None:
+        store["codec_level"] = codec_level
+    for k, val in _pairs(settings, "--set"):
+        store[k] = val
+    return daemon, store
+
+
 @app.command()
 def serve(
-    store: Annotated[str, typer.Option(envvar="LMCTL_STORE", help="store folder (created if missing)")],
+    ctx: typer.Context,
+    store: Annotated[str | None, typer.Option(envvar="LMCTL_STORE", help="store folder")] = None,
+    init: Annotated[bool, typer.Option("--init", help="create the store if the folder holds none")] = False,
+    config: Annotated[str | None, typer.Option(help="TOML config file ([daemon], [store], [tiers.NAME])")] = None,
     socket_path: Annotated[str | None, typer.Option(
-        "--socket", envvar="LMCTL_SOCKET", help="socket path [default: STORE/lmctl.sock]")] = None,
+        "--socket", help="socket path [default: STORE/lmctl.sock]")] = None,
     allow_uid: Annotated[list[int] | None, typer.Option(help="also accept clients of this uid; repeatable")] = None,
-    maintenance_interval: Annotated[float, typer.Option(help="seconds between background evict/compact runs")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
+    maintenance_interval: Annotated[float | None, typer.Option(
+        help="seconds between background evict/compact runs [default: 30]")] = None,
+    capacity: Annotated[list[str] | None, typer.Option(
+        help="a tier's capacity, TIER=SIZE (or SIZE for the default tier); repeatable")] = None,
+    tier_path: Annotated[list[str] | None, typer.Option(
+        help="a tier's folder, TIER=PATH (e.g. dram=/dev/shm/lmctl); repeatable")] = None,
+    pin_budget: Annotated[list[str] | None, typer.Option(
+        help="a tier's pin budget, TIER=FRACTION or TIER=SIZE; repeatable")] = None,
+    codec: Annotated[str | None, typer.Option(help="codec for new chunks: raw, zstd or zstd-shuffle")] = None,
+    codec_level: Annotated[int | None, typer.Option(help="zstd level for new chunks, 1-19")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="any store setting, KEY=VALUE (see lmctl config show); repeatable")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [default: info]")] = None,
 ) -> None:
     """Run the daemon in the foreground (logs to stderr; SIGTERM or Ctrl-C stops it)."""
     import logging
@@ -317,19 +417,38 @@ def serve(
     from store import StoreError
 
     from .daemon import AlreadyServing, Daemon
+    from .errors import UsageError
 
-    logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
-    d = Daemon(store, socket_path, allow_uid or (), maintenance_interval)
-    try:
-        code = d.serve()
-    except AlreadyServing as exc:
-        print(f"lmctl: {exc}", file=sys.stderr)
-        raise typer.Exit(int(Exit.FAILED)) from None
-    except StoreError as exc:
-        print(f"lmctl: {exc}", file=sys.stderr)
-        raise typer.Exit(int(Exit.FAILED)) from None
-    raise typer.Exit(code)
+    term = _term(ctx)
+
+    def body() -> None:
+        daemon, changes = serve_settings(config, capacity=capacity, tier_path=tier_path, pin_budget=pin_budget,
+                                         codec=codec, codec_level=codec_level, settings=set_)
+        store_dir = store or daemon.get("store")
+        if not store_dir:
+            raise CommandError("usage", "give --store DIR (or $LMCTL_STORE, or store in the config file's [daemon])")
+        # the socket: serve's --socket, else the global --socket / $LMCTL_SOCKET, else the file's
+        sock = socket_path or (term.socket if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
+        sock = sock or daemon.get("socket")
+        level = (log_level or daemon.get("log_level") or "info").upper()
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise CommandError("usage", f"--log-level must be debug, info, warning or error, not {level.lower()!r}")
+        interval = maintenance_interval if maintenance_interval is not None else daemon.get("maintenance_interval", 30)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise CommandError("usage", f"--maintenance-interval must be a positive number of seconds, not {interval}")
+        uids = list(allow_uid or daemon.get("allow_uid") or [])
+        logging.basicConfig(stream=sys.stderr, level=getattr(logging, level),
+                            format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
+        try:
+            d = Daemon(store_dir, sock, uids, float(interval), init=init, settings=changes)
+            code = d.serve()
+        except UsageError as exc:
+            raise CommandError("usage", str(exc)) from None
+        except (AlreadyServing, StoreError) as exc:
+            raise CommandError("failed", str(exc)) from None
+        raise typer.Exit(code)
+
+    run(term, body)
 
 
 @app.command()
@@ -384,10 +503,13 @@ def lookup(ctx: typer.Context, sel: dict[str, Any]) -> None:
                 c.print(f"{r['hit_tokens']} of {r['total_tokens']} tokens cached ({pct:.0f}%), "
                         f"{r['hit_chunks']} of {len(r['chunks'])} full chunks"
                         + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None else ""))
-                ns = r.get("namespace") or {}
-                c.print(f"model {ns.get('model')}  adapter {ns.get('adapter') or '(base)'}")
-            rows = [[str(x["index"]), x["key"][:24] + "…", x["tier"] or "[red]miss[/red]"] for x in r["chunks"]]
-            _table(None, ["chunk", "key", "tier"], rows)
+            ns = r.get("namespace")
+            if ns:
+                fp = ns.get("model_fingerprint")
+                c.print(f"model {ns.get('model')}  adapter {ns.get('adapter') or '(base)'}"
+                        + (f"  fingerprint {fp[:12]}" if fp else "") + ("  (salted)" if ns.get("salted") else ""))
+            rows = [[str(x["index"]), chunk_id(x["key"]), x["tier"] or "[red]miss[/red]"] for x in r["chunks"]]
+            _table(None, ["chunk", "chunk hash", "tier"], rows)
 
         _emit(term, r, show)
 
@@ -419,7 +541,9 @@ def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.
     sel = {**sel, "force": force}
     _mutate(ctx, "evict", sel, dry_run, lambda r: (
         f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
-        + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")), long=True)
+        + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
+        + (f"; {r['pinned_removed']} of them pinned ({'would be' if r['dry_run'] else 'were'} removed by --force; "
+           "their pins stay and protect them when stored again)" if r["pinned_removed"] else "")), long=True)
 
 
 @app.command()
@@ -439,10 +563,17 @@ def compress(ctx: typer.Context, sel: dict[str, Any],
              codec: Annotated[str, typer.Option(help="zstd-shuffle, zstd or raw")] = "zstd-shuffle",
              dry_run: DryRun = False) -> None:
     """Recompress chunks and report the bytes saved."""
-    _mutate(ctx, "compress", {**sel, "level": level, "codec": codec}, dry_run, lambda r: (
-        f"would recompress {r['chunks']} chunk(s), {human(r['bytes'])}" if r["dry_run"] else
-        f"recompressed {r['chunks']} chunk(s): {human(r['bytes_before'])} -> {human(r['bytes_after'])}, "
-        f"saved {human(r['bytes_saved'])}"), long=True)
+    def line(r: dict[str, Any]) -> str:
+        saved = r["bytes_saved"]
+        change = f"saved {human(saved)}" if saved >= 0 else f"grew by {human(-saved)}"
+        skipped = f"; {r['skipped']} already {r['codec']} at that level" if r["skipped"] else ""
+        if r["dry_run"]:
+            return (f"would recompress {r['chunks']} chunk(s): {human(r['bytes_before'])} -> about "
+                    f"{human(r['bytes_after'])} (estimated), {change}{skipped}")
+        return (f"recompressed {r['chunks']} chunk(s): {human(r['bytes_before'])} -> {human(r['bytes_after'])}, "
+                f"{change}{skipped}")
+
+    _mutate(ctx, "compress", {**sel, "level": level, "codec": codec}, dry_run, line, long=True)
 
 
 def _mutate(ctx: typer.Context, cmd: str, sel: dict[str, Any], dry_run: bool,
@@ -491,7 +622,7 @@ def inspect_(ctx: typer.Context, key: Annotated[str | None, typer.Option(
 @app.command("ls")
 @with_selectors
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
-        help="rows to list (0: all)")] = 100) -> None:
+        help="rows to list (0: all)", min=0)] = 100) -> None:
     """List chunks matching a selector (all chunks without one)."""
     term = _term(ctx)
 
@@ -499,9 +630,9 @@ def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Opt
         r = term.call("ls", {**sel, "limit": limit})
 
         def show(r: dict[str, Any]) -> None:
-            rows = [[x["key"][:24] + "…", x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
+            rows = [[chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
                      str(x["hits"]), x["adapter"] or "(base)"] for x in r["chunks"]]
-            _table(None, ["key", "tier", "bytes", "tokens", "pins", "hits", "adapter"], rows,
+            _table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "adapter"], rows,
                    {"bytes", "tokens", "pins", "hits"})
             more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
             _console().print(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
@@ -522,27 +653,28 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
     def body() -> None:
         out: dict[str, Any] = {}
         if endpoint:
+            base = endpoint_base(endpoint)
             if "doc" not in sel:
-                raise CommandError("usage", "--endpoint needs a document (--text, --file or --messages)")
+                raise CommandError("usage", "--endpoint needs a document (--text, --file, --tokens or --messages)")
             try:
                 before = term.call("lookup", sel)
             except RemoteError as exc:  # e.g. an engine that has not recorded the model yet
-                if exc.code != "failed":
+                if exc.code not in ("failed", "usage"):
                     raise
                 before = {"hit_tokens": 0, "total_tokens": 0, "first_miss": 0}
-            out["prefill"] = {"endpoint": endpoint, "hit_tokens_before": before["hit_tokens"]}
+            out["prefill"] = {"endpoint": base, "hit_tokens_before": before["hit_tokens"]}
             after = before
             if not dry_run and before.get("first_miss") is not None:
-                _prefill(endpoint, sel)
+                _prefill(base, sel)
                 after = _settled_lookup(term, sel)
             out["prefill"]["hit_tokens_after"] = after["hit_tokens"]
             out["prefill"]["total_tokens"] = after["total_tokens"]
-        try:
+            if "dram" not in term.call("status")["store"]["tiers"]:
+                # prefill only: the chunks stay where the engine wrote them
+                out.update({"chunks": 0, "bytes": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0,
+                            "missing": 0, "dry_run": dry_run, "to": None})
+        if "to" not in out:
             out.update(term.call("warm", {**sel, "dry_run": dry_run}, long=True))
-        except RemoteError as exc:
-            if not endpoint or "dram is not configured" not in str(exc):
-                raise
-            out.update({"chunks": 0, "bytes": 0, "note": str(exc)})
 
         def show(r: dict[str, Any]) -> None:
             c = _console()
@@ -550,12 +682,36 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
                 p = r["prefill"]
                 c.print(f"prefill: {p['hit_tokens_before']} -> {p['hit_tokens_after']} of {p['total_tokens']} "
                         "tokens cached")
-            c.print(r.get("note") or f"{'would promote' if r.get('dry_run') else 'promoted'} {r['chunks']} "
-                    f"chunk(s), {human(r['bytes'])} to dram")
+            if r["to"] is None:
+                c.print("no dram tier in this store: the chunks stay where the engine wrote them")
+            else:
+                c.print(f"{'would promote' if r['dry_run'] else 'promoted'} {r['chunks']} chunk(s), "
+                        f"{human(r['bytes'])} to dram")
 
-        _emit(term, out, show)
+        _emit(term, {k: out[k] for k in sorted(out, key=list(WARM_KEYS).index)}, show)
 
     run(term, body)
+
+
+WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "dry_run", "to", "prefill")
+
+
+def endpoint_base(url: str) -> str:
+    """The server's root from ``--endpoint``: ``http://host:port``, with or without ``/v1``."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        _ = u.port
+    except ValueError:
+        u = None  # type: ignore[assignment]
+    if u is None or u.scheme not in ("http", "https") or not u.hostname:
+        raise CommandError("usage", f"--endpoint {url!r} is not a URL like http://host:8000 (the engine's "
+                                    "OpenAI-compatible server)")
+    path = u.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return f"{u.scheme}://{u.netloc}{path}"
 
 
 def _settled_lookup(term: Terminal, sel: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
@@ -583,11 +739,11 @@ def _prefill(endpoint: str, sel: dict[str, Any]) -> None:
     doc = sel["doc"]
     body: dict[str, Any] = {"model": sel.get("model"), "max_tokens": 1, "temperature": 0}
     if "messages" in doc:
-        url, body["messages"] = endpoint.rstrip("/") + "/v1/chat/completions", doc["messages"]
+        url, body["messages"] = endpoint + "/v1/chat/completions", doc["messages"]
     elif "tokens" in doc:
-        url, body["prompt"] = endpoint.rstrip("/") + "/v1/completions", doc["tokens"]
+        url, body["prompt"] = endpoint + "/v1/completions", doc["tokens"]
     else:
-        url, body["prompt"] = endpoint.rstrip("/") + "/v1/completions", doc["text"]
+        url, body["prompt"] = endpoint + "/v1/completions", doc["text"]
     if sel.get("adapter") and "@" not in sel["adapter"] and os.sep not in sel["adapter"]:
         body["model"] = sel["adapter"]  # vLLM serves a LoRA adapter under its name
     if sel.get("salt"):
@@ -596,7 +752,7 @@ def _prefill(endpoint: str, sel: dict[str, Any]) -> None:
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             resp.read()
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         raise CommandError("failed", f"prefill through {url} failed: {exc}") from None
 
 
@@ -613,7 +769,9 @@ def verify(ctx: typer.Context, deep: Annotated[bool, typer.Option(help="read and
             for p in r["problems"]:
                 print(f"{'fixed' if p['fixed'] else 'found'}: {p['kind']}: {p['detail']}")
             left = sum(1 for p in r["problems"] if not p["fixed"])
-            print("ok" if not left else f"{left} problem(s) left; run lmctl verify --fix")
+            # what --deep found (bad payloads) only a deep pass can fix
+            again = "lmctl verify --deep --fix" if r["deep"] else "lmctl verify --fix"
+            print("ok" if not left else f"{left} problem(s) left; run {again}")
 
         _emit(term, r, show)
         if not r["ok"]:
@@ -629,7 +787,7 @@ def shell(ctx: typer.Context) -> None:
 
     term = _term(ctx)
     term.keep_open = True
-    Shell(app, term).loop()
+    Shell(app, term, invoke, report).loop()
 
 
 completion_app = typer.Typer(help="Shell completion scripts (bash, zsh, fish).", no_args_is_help=True)
@@ -663,6 +821,51 @@ def completion_target(shell_name: str, home: str) -> str:
     }[shell_name]
 
 
+config_app = typer.Typer(help="Show or change the store's settings through the daemon.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(ctx: typer.Context) -> None:
+    """The store's settings (tiers, capacities, pin budgets, codec, ...)."""
+    term = _term(ctx)
+
+    def body() -> None:
+        r = term.call("config")
+        _emit(term, r, _show_settings)
+
+    run(term, body)
+
+
+def _show_settings(r: dict[str, Any]) -> None:
+    cfg = r["settings"]
+    rows = [[k, json.dumps(v) if not isinstance(v, str) else v] for k, v in cfg.items() if k != "tiers"]
+    for name, t in cfg["tiers"].items():
+        rows += [[f"tiers.{name}.{k}", json.dumps(v) if not isinstance(v, str) else v] for k, v in t.items()]
+    _table(None, ["setting", "value"], rows)
+    if r.get("changed"):
+        _console().print("changed: " + ", ".join(r["changed"]))
+
+
+@config_app.command("set")
+def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
+        metavar="KEY=VALUE...", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle")]) -> None:
+    """Change store settings (validated, recorded in the store, applied at once)."""
+    term = _term(ctx)
+
+    def body() -> None:
+        changes: dict[str, Any] = {}
+        for p in pairs:
+            k, sep, v = p.partition("=")
+            if not sep or not k.strip():
+                raise CommandError("usage", f"{p!r} is not KEY=VALUE (e.g. tiers.nvme.capacity=500GiB)")
+            changes[k.strip()] = v.strip()
+        r = term.call("config", {"set": changes})
+        _emit(term, r, _show_settings)
+
+    run(term, body)
+
+
 @completion_app.command("install")
 def completion_install(shell_name: Annotated[str | None, typer.Option(
         "--shell", help="bash, zsh or fish [default: from $SHELL]")] = None) -> None:
@@ -680,8 +883,24 @@ def completion_install(shell_name: Annotated[str | None, typer.Option(
         print(f"installed {name} completion to {path}")
         if name == "zsh":
             print("add to ~/.zshrc (before compinit): fpath=(~/.zfunc $fpath)")
+        if name == "bash":
+            note = bash_completion_note(path)
+            if note:
+                print(note)
 
     run(term, body)
+
+
+#: where distributions put the bash-completion framework, which loads per-user scripts
+BASH_COMPLETION = ("/usr/share/bash-completion/bash_completion", "/etc/bash_completion")
+
+
+def bash_completion_note(script: str, framework: tuple[str, ...] = BASH_COMPLETION) -> str | None:
+    """How to load the script when bash-completion (which would load it on demand) is absent."""
+    if any(os.path.exists(p) for p in framework):
+        return None
+    return (f"bash-completion is not installed here, so bash will not load {script} by itself: "
+            f"install the bash-completion package, or add this line to ~/.bashrc: source {script}")
 
 
 def reference_markdown() -> str:
@@ -746,8 +965,31 @@ def main(argv: list[str] | None = None) -> None:
         from typer._completion_classes import completion_init
 
         completion_init()
-        args = list(sys.argv[1:])
-    app(args=args, prog_name="lmctl")
+        app(args=list(sys.argv[1:]), prog_name="lmctl")
+        return
+    sys.exit(invoke(args, Terminal(json="--json" in args[: args.index("--")] if "--" in args else "--json" in args)))
+
+
+def invoke(args: list[str], term: Terminal) -> int:
+    """Run one command line; returns its exit code. Option parsing errors follow the same
+    rule as every other error: one line, or the JSON error object under --json."""
+    from typer import _click as click  # typer's own click (typer >= 0.25 vendors it)
+
+    cmd = typer.main.get_command(app)
+    try:
+        rv = cmd.main(args=args, prog_name="lmctl", standalone_mode=False, obj=term)
+    except click.exceptions.UsageError as exc:
+        if term.json:
+            return report(True, "usage", exc.format_message())
+        exc.show()
+        return int(Exit.USAGE)
+    except typer.Abort:
+        return report(term.json, "interrupted", "interrupted")
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except click.ClickException as exc:
+        return report(term.json, "usage", exc.format_message())
+    return int(rv) if isinstance(rv, int) else 0
 
 
 if __name__ == "__main__":

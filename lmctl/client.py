@@ -67,6 +67,7 @@ class Client:
         self.connect()
         assert self._sock is not None
         rid = next(self._ids)
+        rows: list[Any] = []
         try:
             protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
             while True:
@@ -79,8 +80,14 @@ class Client:
                         p = msg["progress"]
                         progress(int(p.get("done", 0)), int(p.get("total", 0)), str(p.get("what", "")))
                     continue
+                if "rows" in msg:  # a streamed listing: appended to the result's "chunks"
+                    rows.extend(msg["rows"] or [])
+                    continue
                 if msg.get("ok"):
-                    return dict(msg.get("result") or {})
+                    result = dict(msg.get("result") or {})
+                    if rows:
+                        result["chunks"] = list(result.get("chunks") or []) + rows
+                    return result
                 err = msg.get("error") or {}
                 raise RemoteError(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -89,6 +96,10 @@ class Client:
         except protocol.ProtocolError as exc:
             self.close()
             raise RemoteError("protocol", str(exc)) from None
+        except KeyboardInterrupt:
+            # Ctrl-C mid-request: hang up, which cancels the daemon's job
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._sock is not None:

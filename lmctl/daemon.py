@@ -13,6 +13,7 @@ import fcntl
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -26,19 +27,78 @@ from typing import Any
 from store import Store, StoreError
 
 from . import __version__, protocol
-from .ops import OPS, UsageError
+from .errors import Cancelled, UsageError
+from .ops import OPS
+from .ops import Job as OpJob
 
 log = logging.getLogger("lmctl.daemon")
 
 
+#: how long a stopping daemon waits for running jobs to notice they are cancelled
+SHUTDOWN_GRACE_S = 30.0
+#: fault injection for tests: seconds each progress step of a job takes
+_FAULT_STEP_DELAY = float(os.environ.get("LMCTL_FAULT_JOB_STEP_DELAY", "0") or 0)
+
+
 @dataclass
-class Job:
+class Job(OpJob):
+    """One running request. ``progress`` streams progress frames and is where a job learns
+    that it is cancelled: its client hung up (Ctrl-C) or the daemon is stopping."""
+
     id: int
     cmd: str
     started: float
+    conn: socket.socket | None = None
+    rid: Any = None
+    stopping: threading.Event | None = None
     done: int = 0
     total: int = 0
     what: str = ""
+    _last_sent: float = 0.0
+    _last_poll: float = 0.0
+
+    def _client_gone(self) -> bool:
+        if self.conn is None:
+            return False
+        try:
+            readable, _, _ = select.select([self.conn], [], [], 0)
+            return bool(readable) and self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        if self.stopping is not None and self.stopping.is_set():
+            raise Cancelled(f"{self.cmd} was cancelled: the daemon is stopping "
+                            f"(done {self.done} of {self.total or '?'}; run it again when the daemon is back)")
+        if now - self._last_poll >= 0.05:
+            self._last_poll = now
+            if self._client_gone():
+                raise Cancelled(f"{self.cmd} was cancelled: its client went away (done {self.done} of {self.total})")
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        if _FAULT_STEP_DELAY:
+            time.sleep(_FAULT_STEP_DELAY)
+        self.done, self.total, self.what = done, total, what
+        self._check()
+        now = time.monotonic()
+        if self.conn is not None and (now - self._last_sent >= 0.1 or done >= total):
+            self._last_sent = now
+            try:
+                protocol.send(self.conn, {"id": self.rid, "progress": {"done": done, "total": total, "what": what}})
+            except OSError:
+                raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
+
+    def emit(self, rows: list[dict[str, Any]]) -> None:
+        self._check()
+        if self.conn is None:
+            return
+        try:
+            protocol.send(self.conn, {"id": self.rid, "rows": rows})
+        except OSError:
+            raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
 
 
 @dataclass
@@ -56,6 +116,10 @@ class DaemonState:
 
 class AlreadyServing(StoreError):
     pass
+
+
+class NoStore(UsageError):
+    """``serve`` was pointed at a folder that holds no store, without ``--init``."""
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -98,14 +162,22 @@ def bind_socket(path: str) -> socket.socket:
 
 class Daemon:
     def __init__(self, store_dir: str, socket_path: str | None = None, allow_uids: Iterable[int] = (),
-                 maintenance_s: float = 30.0) -> None:
+                 maintenance_s: float = 30.0, *, init: bool = True,
+                 settings: dict[str, Any] | None = None) -> None:
         self.store_dir = os.path.abspath(store_dir)
         self.socket_path = os.path.abspath(socket_path or os.path.join(self.store_dir, "lmctl.sock"))
         self.allow = {os.getuid(), *allow_uids}
+        if not maintenance_s > 0:
+            raise UsageError(f"--maintenance-interval must be a positive number of seconds, not {maintenance_s}")
         self.maintenance_s = maintenance_s
+        self.init = init
+        self.settings = dict(settings or {})
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._lockfd: int | None = None
+        self._store_lockfd: int | None = None
+        self._busy: dict[socket.socket, Job | None] = {}
+        self._busy_lock = threading.Lock()
 
     def _take_lock(self) -> None:
         """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
@@ -120,14 +192,75 @@ class Daemon:
             raise
         self._lockfd = fd
 
+    def _take_store_lock(self) -> None:
+        """One daemon per store, whatever its socket: a flock'ed file in the store folder that
+        names the daemon holding it."""
+        path = os.path.join(self.store_dir, "daemon.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise AlreadyServing(f"another lmctl daemon already serves the store {self.store_dir}"
+                                     + (f" ({holder})" if holder else "") + "; one daemon per store") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {self.socket_path}\n".encode(), 0)
+        self._store_lockfd = fd
+
+    def _check_store(self) -> None:
+        """Before anything is created: a typo'd --store must not become a new, empty store."""
+        d = self.store_dir
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise UsageError(f"--store {d} is a file, not a store folder")
+        if not os.path.isdir(os.path.join(d, "index")):
+            if not self.init:
+                raise NoStore(f"no lmctl store at {d}; check the path, or pass --init to create a new store there")
+            try:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store folder {d}: {exc.strerror}") from None
+
+    def _open_store(self) -> Store:
+        d = self.store_dir
+        self._take_store_lock()
+        try:
+            store = Store(d)
+        except OSError as exc:
+            raise StoreError(f"cannot open the store at {d}: {exc.strerror or exc}") from None
+        if self.settings:
+            from .settings import apply_settings
+
+            default = store.config.default_tier  # "--capacity SIZE" means the default tier's
+            changes = {k.replace("tiers.@default.", f"tiers.{default}."): v for k, v in self.settings.items()}
+            try:
+                cfg = apply_settings(store.config, changes)
+                if cfg.to_json() != store.config.to_json():
+                    store.configure(cfg)
+                    log.info("store settings changed: %s", ", ".join(sorted(changes)))
+            except StoreError as exc:
+                store.close()
+                raise UsageError(f"bad store setting: {exc}") from None
+        return store
+
     def stop(self, *_: Any) -> None:
         self._stop.set()
 
     def serve(self) -> int:
-        self._take_lock()
-        store = Store(self.store_dir)
+        self._check_store()
+        try:
+            self._take_lock()
+        except OSError as exc:
+            raise StoreError(f"cannot use the socket folder for {self.socket_path}: {exc.strerror}") from None
+        store = self._open_store()
         self.state = DaemonState(store, self.socket_path)
-        listener = bind_socket(self.socket_path)
+        try:
+            listener = bind_socket(self.socket_path)
+        except BaseException:
+            store.close()
+            raise
         listener.settimeout(0.25)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.stop)
@@ -152,17 +285,42 @@ class Daemon:
                 threads = [x for x in threads if x.is_alive()] + [t]
         finally:
             log.info("shutting down")
+            self._stop.set()
             listener.close()
             try:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
-            for t in threads:
-                t.join(timeout=5)
-            store.close()
-            if self._lockfd is not None:
-                os.close(self._lockfd)
-        return 0
+            clean = self._drain([*threads, maint])
+            if clean:
+                store.close()
+            for fd in (self._lockfd, self._store_lockfd):
+                if fd is not None:
+                    os.close(fd)
+        return 0 if clean else 1
+
+    def _drain(self, threads: list[threading.Thread]) -> bool:
+        """Wake idle clients (they are hung up on) and let running jobs stop: each one is
+        cancelled at its next progress step and answers its client with why. True when every
+        client thread finished, so the store can be closed under no one."""
+        with self._busy_lock:
+            idle = [c for c, job in self._busy.items() if job is None]
+        for conn in idle:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        end = time.monotonic() + SHUTDOWN_GRACE_S
+        for t in threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        left = [t for t in threads if t.is_alive()]
+        if left:
+            with self._busy_lock:
+                jobs = [j.cmd for j in self._busy.values() if j is not None]
+            log.error("%d request(s) (%s) did not stop within %.0f s; exiting without closing the store "
+                      "(it is crash-safe)", len(left), ", ".join(jobs) or "reading", SHUTDOWN_GRACE_S)
+            return False
+        return True
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.maintenance_s):
@@ -189,6 +347,8 @@ class Daemon:
                 return
             with st.lock:
                 st.clients += 1
+            with self._busy_lock:
+                self._busy[conn] = None
             try:
                 while not self._stop.is_set():
                     try:
@@ -200,10 +360,12 @@ class Daemon:
                         return
                     except OSError:
                         return
-                    if msg is None:
+                    if msg is None or self._stop.is_set():
                         return
                     self._handle(conn, msg)
             finally:
+                with self._busy_lock:
+                    self._busy.pop(conn, None)
                 with st.lock:
                     st.clients -= 1
 
@@ -232,30 +394,31 @@ class Daemon:
         op = OPS.get(cmd)
         if op is None:
             return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'status']))}")
-        job = Job(next(self._ids), cmd, time.time())
+        job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
         with st.lock:
             st.jobs[job.id] = job
-        last = [0.0]
-
-        def progress(done: int, total: int, what: str) -> None:
-            job.done, job.total, job.what = done, total, what
-            now = time.monotonic()
-            if now - last[0] >= 0.1 or done >= total:
-                last[0] = now
-                self._send(conn, {"id": rid, "progress": {"done": done, "total": total, "what": what}})
-
+        with self._busy_lock:
+            self._busy[conn] = job
         try:
-            result = op(st.store, args, progress)
+            result = op(st.store, args, job)
         except UsageError as exc:
             return fail("usage", str(exc))
+        except Cancelled as exc:
+            log.info("job %d (%s) cancelled: %s", job.id, cmd, exc)
+            return fail("cancelled", str(exc))
         except StoreError as exc:
             return fail("failed", str(exc))
+        except RecursionError:
+            return fail("usage", f"{cmd}: the request is nested too deeply")
         except Exception as exc:  # a bug must not take the daemon down
             log.exception("%s failed", cmd)
             return fail("failed", f"{cmd} failed: {type(exc).__name__}: {exc}")
         finally:
             with st.lock:
                 st.jobs.pop(job.id, None)
+            with self._busy_lock:
+                if conn in self._busy:
+                    self._busy[conn] = None
         self._reply(conn, rid, result)
 
     def _reply(self, conn: socket.socket, rid: Any, result: dict[str, Any]) -> None:

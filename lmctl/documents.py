@@ -17,6 +17,8 @@ from typing import Any
 
 from store import StoreError
 
+from .errors import UsageError
+
 _lock = threading.Lock()
 _cache: dict[tuple[str, str | None], Any] = {}
 
@@ -41,22 +43,40 @@ def load_tokenizer(source: str, revision: str | None = None) -> Any:
     return tok
 
 
-def tokenize(doc: dict[str, Any], source: str, revision: str | None = None) -> list[int]:
-    """Token ids of a document: ``{"tokens": [...]}``, ``{"text": str}`` or ``{"messages": [...]}``."""
+def check_document(doc: dict[str, Any]) -> None:
+    """Refuse a malformed document (a usage error) before any tokenizer is loaded."""
     if "tokens" in doc:
         toks = doc["tokens"]
-        if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in toks):
-            raise StoreError("--tokens must be a JSON list of token ids (integers)")
-        return toks
+        if not isinstance(toks, list) or not toks or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in toks):
+            raise UsageError("--tokens must be a non-empty JSON list of token ids (integers in [0, 2**32))")
+    elif "messages" in doc:
+        msgs = doc["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+            raise UsageError("--messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
+    elif "text" in doc:
+        if not isinstance(doc["text"], str) or not doc["text"]:
+            raise UsageError("the document is empty; give --text, --file, --tokens or --messages with content")
+    else:
+        raise UsageError("a document needs --text, --file, --tokens or --messages")
+
+
+def tokenize(doc: dict[str, Any], source: str, revision: str | None = None) -> list[int]:
+    """Token ids of a document: ``{"tokens": [...]}``, ``{"text": str}`` or ``{"messages": [...]}``."""
+    check_document(doc)
+    if "tokens" in doc:
+        return list(doc["tokens"])
     tok = load_tokenizer(source, revision)
     if "text" in doc:
         return list(tok(str(doc["text"]))["input_ids"])
     if "messages" in doc:
         msgs = doc["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
-            raise StoreError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
         if not getattr(tok, "chat_template", None):
-            raise StoreError(f"the tokenizer {source!r} has no chat template; use --text")
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            raise UsageError(f"the tokenizer {source!r} has no chat template; use --text")
+        try:
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that rejects these messages (roles, order)
+            raise UsageError(f"the model's chat template rejects these messages: {exc}") from None
         return list(tok(text, add_special_tokens=False)["input_ids"])
     raise StoreError("a document needs --text, --file, --tokens or --messages")

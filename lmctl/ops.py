@@ -15,12 +15,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from store import AdapterIdentity, ChunkInfo, Namespace, Store, StoreError, adapter_digest, parse_key
+from store.store import short_key
 
-Progress = Callable[[int, int, str], None]
+from .errors import Cancelled, UsageError
+
+__all__ = ["OPS", "Cancelled", "Job", "UsageError", "select"]
 
 
-class UsageError(StoreError):
-    """The request is malformed: wrong argument types, unknown names, missing selectors."""
+class Job:
+    """What an operation may tell its client while it runs. The daemon's job raises
+    ``Cancelled`` from ``progress`` when the client went away or the daemon is stopping, so
+    a long operation stops between two chunks (each chunk's change is atomic)."""
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        return
+
+    def emit(self, rows: list[dict[str, Any]]) -> None:
+        """Stream part of a listing (``ls``); the client appends it to ``chunks``."""
+        raise NotImplementedError
 
 
 def _arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -45,71 +57,113 @@ class Selection:
     token_ids: list[int] | None = None   # the document's tokens (None without a document)
 
 
-def _namespaces(store: Store) -> list[tuple[Namespace, dict[str, Any]]]:
+@dataclass
+class Recorded:
+    """A namespace as the engine hook recorded it. ``nid`` is the record's key (the chunk
+    key prefix); ``ns`` is its namespace without the cache salt, which the store never
+    keeps (``salted`` says whether it had one)."""
+
+    nid: bytes
+    ns: Namespace
+    doc: dict[str, Any]
+    salted: bool
+
+    @property
+    def updated(self) -> float:
+        return float(self.doc.get("updated", 0))
+
+
+def _namespaces(store: Store) -> list[Recorded]:
     out = []
-    for doc in store.namespaces().values():
+    for nid, doc in store.namespaces().items():
+        nsd = dict(doc.get("namespace") or {})
+        salted = nsd.pop("cache_salt", None) is not None or nsd.pop("salt_digest", None) is not None
         try:
-            ns = Namespace.from_json(json.dumps(doc["namespace"]))
+            ns = Namespace.from_json(json.dumps(nsd))
         except Exception:
             continue
-        out.append((ns, doc))
+        out.append(Recorded(nid, ns, doc, salted))
     return out
 
 
-def _resolve_adapter(spec: str, recorded: list[tuple[Namespace, dict[str, Any]]]) -> AdapterIdentity:
-    if "@" in spec and os.path.sep not in spec:
-        return AdapterIdentity.parse(spec)
-    if os.path.isdir(spec):
-        path = os.path.abspath(spec)
+def _is_path(spec: str) -> bool:
+    """An adapter spec is a folder only when it looks like a path: a name is a name."""
+    return os.sep in spec or spec in (".", "..") or spec.startswith("~")
+
+
+def _resolve_adapter(spec: str, recorded: list[Recorded]) -> AdapterIdentity:
+    if _is_path(spec):
+        path = os.path.abspath(os.path.expanduser(spec))
+        if not os.path.isdir(path):
+            raise UsageError(f"--adapter {spec}: no such folder (give NAME, NAME@DIGEST or the adapter's folder)")
         digest = adapter_digest(path)
-        for ns, _doc in recorded:
-            if ns.adapter is not None and ns.adapter.digest == digest:
-                return ns.adapter
+        for r in recorded:
+            if r.ns.adapter is not None and r.ns.adapter.digest == digest:
+                return r.ns.adapter
         return AdapterIdentity(os.path.basename(path.rstrip(os.sep)), digest)
+    if "@" in spec:
+        try:
+            return AdapterIdentity.parse(spec)
+        except StoreError as exc:
+            raise UsageError(str(exc)) from None
     best: tuple[float, AdapterIdentity] | None = None
-    for ns, doc in recorded:
-        if ns.adapter is not None and ns.adapter.name == spec:
-            t = float(doc.get("updated", 0))
-            if best is None or t > best[0]:
-                best = (t, ns.adapter)
+    for r in recorded:
+        if r.ns.adapter is not None and r.ns.adapter.name == spec:
+            if best is None or r.updated > best[0]:
+                best = (r.updated, r.ns.adapter)
     if best is None:
-        raise UsageError(f"no adapter named {spec!r} has been served from this store; "
-                         f"give NAME@DIGEST or the adapter's folder")
+        known = sorted({r.ns.adapter.name for r in recorded if r.ns.adapter is not None})
+        raise UsageError(f"no adapter named {spec!r} has been served from this store "
+                         f"(adapters: {', '.join(known) or 'none'}); give NAME@DIGEST or the adapter's folder")
     return best[1]
 
 
-def _model_matches(ns: Namespace, doc: dict[str, Any], model: str | None) -> bool:
-    return model is None or ns.model == model or doc.get("info", {}).get("model_id") == model
+def _model_matches(r: Recorded, model: str | None) -> bool:
+    return model is None or r.ns.model == model or r.doc.get("info", {}).get("model_id") == model
+
+
+def _known_models(recorded: list[Recorded]) -> str:
+    return ", ".join(sorted({r.ns.model for r in recorded})) or "none yet"
+
+
+def _check_model(recorded: list[Recorded], model: str | None) -> None:
+    if model is not None and not any(_model_matches(r, model) for r in recorded):
+        raise UsageError(f"no model {model!r} in this store (models: {_known_models(recorded)}); "
+                         "an engine with the lmctl connector records its model when it starts")
+
+
+def _check_conflicts(args: dict[str, Any]) -> None:
+    if args.get("base") and args.get("adapter") is not None:
+        raise UsageError("--base and --adapter contradict each other: give one")
 
 
 def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace], dict[str, Any]]:
-    """Namespaces a document's keys are computed in: one per KV format recorded for the
-    model (tensor-parallel ranks), with the requested adapter and salt."""
+    """Namespaces a document's keys are computed in: one per KV format (tensor-parallel
+    rank) and model fingerprint recorded for the model, with the requested adapter and salt;
+    the newest fingerprint first."""
     recorded = _namespaces(store)
     model = _arg(args, "model", str)
     if model is None:
-        models = sorted({ns.model for ns, _ in recorded})
+        models = sorted({r.ns.model for r in recorded})
         if len(models) != 1:
             raise UsageError("give --model: this store holds " + (
                 f"{len(models)} models ({', '.join(models)})" if models else "no model yet"))
         model = models[0]
-    mine = [(ns, doc) for ns, doc in recorded if _model_matches(ns, doc, model)]
-    if not mine:
-        raise StoreError(f"no engine has recorded model {model!r} in this store yet; serve one request "
-                         "with it first (the engine hook records its KV format and tokenizer)")
+    _check_model(recorded, model)
+    mine = [r for r in recorded if _model_matches(r, model)]
     adapter_spec = _arg(args, "adapter", str)
-    adapter = None if adapter_spec is None or _arg(args, "base", bool, False) else _resolve_adapter(
-        adapter_spec, mine)
+    adapter = None if adapter_spec is None else _resolve_adapter(adapter_spec, mine)
     salt = _arg(args, "salt", str)
     formats: dict[str, Namespace] = {}
     info: dict[str, Any] = {}
-    for ns, doc in sorted(mine, key=lambda x: -float(x[1].get("updated", 0))):
-        cand = Namespace(ns.model, ns.kv_format, adapter, salt, ns.model_fingerprint)
-        k = json.dumps(cand.kv_format.__dict__, sort_keys=True) + str(ns.model_fingerprint)
+    for r in sorted(mine, key=lambda x: -x.updated):
+        cand = Namespace(r.ns.model, r.ns.kv_format, adapter, salt or None, r.ns.model_fingerprint)
+        k = json.dumps(cand.kv_format.__dict__, sort_keys=True) + str(r.ns.model_fingerprint)
         if k not in formats:
             formats[k] = cand
-            info = info or doc.get("info", {})
-    nss = sorted(formats.values(), key=lambda n: n.kv_format.tp_rank)
+            info = info or r.doc.get("info", {})
+    newest_fp = next(iter(formats.values())).model_fingerprint
+    nss = sorted(formats.values(), key=lambda n: (n.model_fingerprint != newest_fp, n.kv_format.tp_rank))
     return nss, info
 
 
@@ -117,12 +171,14 @@ FILTER_KEYS = ("model", "adapter", "base", "label", "tier", "older_than", "pinne
 
 
 def _filters(args: dict[str, Any]) -> set[str]:
-    """The chunk filters a request sets (explicit keys and documents aside)."""
-    return {k for k in FILTER_KEYS if args.get(k) not in (None, False)}
+    """The chunk filters a request sets (explicit keys and documents aside). ``pinned``
+    false (``--unpinned``) is a filter too."""
+    return {k for k in FILTER_KEYS if (args.get(k) is not None if k == "pinned" else args.get(k) not in (None, False))}
 
 
 def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selection:
     """Resolve the shared selectors (SPEC section 6) to chunk keys."""
+    _check_conflicts(args)
     doc = _arg(args, "doc", dict)
     keys_hex = _arg(args, "keys", list, [])
     try:
@@ -130,12 +186,13 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
     except StoreError as exc:
         raise UsageError(str(exc)) from None
     if doc is not None:
-        from .documents import tokenize
+        from .documents import check_document, tokenize
 
+        check_document(doc)
         nss, info = _doc_namespaces(store, args)
         source = _arg(args, "tokenizer", str) or info.get("tokenizer")
         if not source and "tokens" not in doc:
-            raise StoreError("no tokenizer recorded for this model; pass --tokenizer PATH or --tokens FILE")
+            raise UsageError("no tokenizer recorded for this model; pass --tokenizer PATH or --tokens FILE")
         tokens = tokenize(doc, source or "", info.get("tokenizer_revision"))
         keys = []
         for ns in nss:
@@ -152,6 +209,23 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
     return Selection([c.key for c in _filter(store, args, explicit or None)], [])
 
 
+def _label_keys(store: Store, label: str) -> list[bytes]:
+    labels = store.labels()
+    if label not in labels:
+        raise UsageError(f"no label {label!r} (labels: {', '.join(sorted(labels)) or 'none'})")
+    return labels[label]
+
+
+def _configured_tier(store: Store, tier: str, what: str) -> str:
+    if tier not in ("dram", "nvme", "remote"):
+        raise UsageError(f"{what} must be dram, nvme or remote, not {tier!r}")
+    configured = store.config.tiers
+    if tier not in configured:
+        raise UsageError(f"tier {tier} is not configured in this store (configured: {', '.join(configured)}); "
+                         "add it with lmctl config set or the daemon's settings")
+    return tier
+
+
 def _filter(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
     recorded = _namespaces(store)
     model = _arg(args, "model", str)
@@ -163,20 +237,18 @@ def _filter(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Ite
     pinned = args.get("pinned")
     if pinned is not None and not isinstance(pinned, bool):
         raise UsageError("argument 'pinned' must be true, false or absent")
-    if tier is not None and tier not in store.stats()["tiers"]:
-        raise UsageError(f"tier {tier!r} is not configured in this store")
+    if older is not None and older < 0:
+        raise UsageError("--older-than must not be negative")
+    if tier is not None:
+        _configured_tier(store, tier, "--tier")
+    _check_model(recorded, model)
     prefixes: list[bytes] | None = None
     if model is not None or adapter_spec is not None or base:
         adapter = _resolve_adapter(adapter_spec, recorded) if adapter_spec else None
-        prefixes = [ns.ns_id for ns, doc in recorded if _model_matches(ns, doc, model)
-                    and (not base or ns.adapter is None)
-                    and (adapter is None or ns.adapter == adapter)]
-    label_keys: set[bytes] | None = None
-    if label is not None:
-        labels = store.labels()
-        if label not in labels:
-            raise UsageError(f"no label {label!r} (labels: {', '.join(sorted(labels)) or 'none'})")
-        label_keys = set(labels[label])
+        prefixes = [r.nid for r in recorded if _model_matches(r, model)
+                    and (not base or r.ns.adapter is None)
+                    and (adapter is None or r.ns.adapter == adapter)]
+    label_keys = None if label is None else set(_label_keys(store, label))
     cutoff = time.time() - older if older is not None else None
 
     def source() -> Iterable[ChunkInfo]:
@@ -211,32 +283,45 @@ def _filter(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Ite
 
 
 # -- operations ---------------------------------------------------------------------------
-def _ns_json(ns: Namespace) -> dict[str, Any]:
+def _ns_json(ns: Namespace, salted: bool | None = None) -> dict[str, Any]:
     return {"model": ns.model, "adapter": None if ns.adapter is None else str(ns.adapter),
-            "cache_salt": ns.cache_salt, "tp_rank": ns.kv_format.tp_rank, "chunk_size": ns.kv_format.chunk_size}
+            "salted": ns.cache_salt is not None if salted is None else salted,
+            "model_fingerprint": ns.model_fingerprint, "tp_rank": ns.kv_format.tp_rank,
+            "chunk_size": ns.kv_format.chunk_size}
 
 
-def op_lookup(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     sel = select(store, args)
-    if not sel.namespaces:
-        tiers = store.locate(sel.keys)
-        chunks = [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(sel.keys, tiers, strict=True))]
-        hit = sum(1 for t in tiers if t is not None)
-        return {"total_tokens": 0, "hit_tokens": 0, "hit_chunks": hit, "chunks": chunks, "first_miss": None}
-    ns = sel.namespaces[0]
-    assert sel.token_ids is not None
-    found = store.lookup(ns, sel.token_ids)
+    if sel.namespaces:
+        ns = sel.namespaces[0]
+        assert sel.token_ids is not None
+        found = store.lookup(ns, sel.token_ids)
+        keys, tiers, total = found.keys, found.tiers, found.total_tokens
+        size: int | None = found.chunk_size
+        namespace: dict[str, Any] | None = _ns_json(ns)
+    else:
+        # chunks by key or filter: taken as a chain in the order given (a document's keys)
+        keys = list(dict.fromkeys(sel.keys))
+        tiers = store.locate(keys)
+        rec = {r.nid: r for r in _namespaces(store)}
+        first = rec.get(keys[0][:16]) if keys else None
+        namespace = None if first is None else _ns_json(first.ns, first.salted)
+        size = first.ns.kv_format.chunk_size if first is not None else None
+        if size is None:
+            info = next((i for i in (store.info(k) for k in keys) if i is not None), None)
+            size = info.tokens if info is not None else None
+        total = len(keys) * size if size else 0
+    hit = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
     per_tier: dict[str, int] = {}
-    for t in found.tiers[: found.hit_chunks]:
+    for t in tiers[:hit]:
         assert t is not None
         per_tier[t] = per_tier.get(t, 0) + 1
+    hit_tokens = hit * size if size else 0
     return {
-        "total_tokens": found.total_tokens, "hit_tokens": found.hit_tokens, "hit_chunks": found.hit_chunks,
-        "chunk_size": found.chunk_size,
-        "first_miss": found.hit_tokens if found.hit_tokens < found.total_tokens else None,
-        "tiers": per_tier, "namespace": _ns_json(ns),
-        "chunks": [{"index": i, "key": k.hex(), "tier": t}
-                   for i, (k, t) in enumerate(zip(found.keys, found.tiers, strict=True))],
+        "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
+        "first_miss": hit_tokens if hit_tokens < total else None,
+        "tiers": per_tier, "namespace": namespace,
+        "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
     }
 
 
@@ -247,126 +332,125 @@ def _label(args: dict[str, Any]) -> str:
     return label
 
 
-def op_pin(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_pin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     label = _label(args)
     sel = select(store, {k: v for k, v in args.items() if k != "label"})
     keys = list(dict.fromkeys(sel.keys))
     stored = sum(1 for t in store.locate(keys) if t is not None)
-    if _arg(args, "dry_run", bool, False):
-        have = set(store.labels().get(label, []))
-        new = sum(1 for k in keys if k not in have)
-        return {"label": label, "chunks": len(keys), "stored": stored, "added": new, "dry_run": True}
-    expected = 0
-    if sel.namespaces:
-        expected = sel.namespaces[0].kv_format.chunk_bytes
-    added = store.pin(label, keys, expected_bytes=expected)
-    return {"label": label, "chunks": len(keys), "stored": stored, "added": added, "dry_run": False}
+    dry_run = _arg(args, "dry_run", bool, False)
+    expected = sel.namespaces[0].kv_format.chunk_bytes if sel.namespaces else 0
+    # a dry run checks the pin budget as the real pin does, then changes nothing
+    added = store.pin(label, keys, expected_bytes=expected, dry_run=dry_run)
+    return {"label": label, "chunks": len(keys), "stored": stored, "added": added, "dry_run": dry_run}
 
 
-def op_unpin(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_unpin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     label = _label(args)
-    labels = store.labels()
-    if label not in labels:
-        raise StoreError(f"no label {label!r} (labels: {', '.join(sorted(labels)) or 'none'})")
+    pinned_keys = _label_keys(store, label)
     rest = {k: v for k, v in args.items() if k not in ("label", "dry_run")}
-    has_sel = any(rest.get(k) not in (None, False, []) for k in rest)
+    has_sel = any(rest.get(k) not in (None, False, []) for k in rest) or rest.get("pinned") is False
     keys = None
     if has_sel:
-        pinned = set(labels[label])
+        pinned = set(pinned_keys)
         keys = [k for k in dict.fromkeys(select(store, rest).keys) if k in pinned]
-    target = len(labels[label]) if keys is None else len(keys)
+    target = len(pinned_keys) if keys is None else len(keys)
     if _arg(args, "dry_run", bool, False):
         return {"label": label, "chunks": target, "removed": target, "dry_run": True}
     removed = store.unpin(label, keys)
     return {"label": label, "chunks": target, "removed": removed, "dry_run": False}
 
 
-def op_evict(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     force = _arg(args, "force", bool, False)
+    dry_run = _arg(args, "dry_run", bool, False)
     sel = select(store, args)
     infos = [i for i in (store.info(k) for k in dict.fromkeys(sel.keys)) if i is not None]
     pinned = [i for i in infos if i.pin_refs > 0]
     victims = infos if force else [i for i in infos if i.pin_refs == 0]
-    if _arg(args, "dry_run", bool, False):
-        return {"chunks": len(victims), "bytes": sum(i.disk_bytes for i in victims),
-                "skipped_pinned": 0 if force else len(pinned), "dry_run": True}
-    n = b = 0
+    out = {"chunks": len(victims), "bytes": sum(i.disk_bytes for i in victims),
+           "skipped_pinned": 0 if force else len(pinned), "pinned_removed": len(pinned) if force else 0,
+           "dry_run": dry_run}
+    if dry_run:
+        return out
+    n = b = pinned_removed = 0
     total = len(victims)
     for start in range(0, total, 256):
-        progress(start, total, "evicting")
-        got = store.evict([i.key for i in victims[start : start + 256]], force=force)
+        job.progress(start, total, "evicting")
+        batch = victims[start : start + 256]
+        got = store.evict([i.key for i in batch], force=force)
         n += got[0]
         b += got[1]
-    progress(total, total, "evicting")
-    return {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else len(pinned), "dry_run": False}
+        pinned_removed += sum(1 for i in batch if i.pin_refs > 0)
+    job.progress(total, total, "evicting")
+    out.update(chunks=n, bytes=b, pinned_removed=pinned_removed if force else 0)
+    return out
 
 
-def _rewrite(store: Store, args: dict[str, Any], progress: Progress, what: str, **kw: Any) -> dict[str, Any]:
+def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any) -> dict[str, Any]:
     sel = select(store, args)
     keys = list(dict.fromkeys(sel.keys))
-    res = store.rewrite(keys, progress=lambda d, t: progress(d, t, what),
-                        dry_run=_arg(args, "dry_run", bool, False), **kw)
+    dry_run = _arg(args, "dry_run", bool, False)
+    res = store.rewrite(keys, progress=lambda d, t: job.progress(d, t, what), dry_run=dry_run, **kw)
     return {"chunks": res["chunks"], "bytes": res["bytes_before"], "bytes_before": res["bytes_before"],
             "bytes_after": res["bytes_after"], "skipped": res["skipped"], "missing": res["missing"],
-            "dry_run": bool(args.get("dry_run"))}
+            "dry_run": dry_run}
 
 
-def _tier_arg(store: Store, args: dict[str, Any], name: str) -> str:
-    tier = _arg(args, name, str)
-    if tier not in ("dram", "nvme", "remote"):
-        raise UsageError(f"--{name.replace('_', '-')} must be dram, nvme or remote")
-    configured = store.stats()["tiers"]
-    if tier not in configured:
-        raise StoreError(f"tier {tier} is not configured in this store (configured: {', '.join(configured)}); "
-                         "nothing was moved")
-    return tier
-
-
-def op_move(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    tier = _tier_arg(store, args, "to")
-    out = _rewrite(store, args, progress, f"moving to {tier}", tier=tier)
+def op_move(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    tier = _configured_tier(store, _arg(args, "to", str, ""), "--to")
+    out = _rewrite(store, args, job, f"moving to {tier}", tier=tier)
     out["to"] = tier
     return out
 
 
-def op_compress(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_compress(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     level = _arg(args, "level", int, 1)
     codec = _arg(args, "codec", str, "zstd-shuffle")
     if not 1 <= level <= 19:
         raise UsageError("--level must be between 1 and 19")
     if codec not in ("raw", "zstd", "zstd-shuffle"):
         raise UsageError("--codec must be raw, zstd or zstd-shuffle")
-    out = _rewrite(store, args, progress, "compressing", codec=codec, level=level)
-    out["bytes_saved"] = max(0, out["bytes_before"] - out["bytes_after"]) if not out["dry_run"] else 0
+    out = _rewrite(store, args, job, "compressing", codec=codec, level=None if codec == "raw" else level)
+    # negative when the chunks grew (e.g. --codec raw); a dry run's bytes_after is an estimate
+    out["bytes_saved"] = out["bytes_before"] - out["bytes_after"]
+    out["estimated"] = out["dry_run"]
     out["codec"], out["level"] = codec, level
     return out
 
 
-def op_warm(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Promote the selected chunks (a label, typically) to the dram tier."""
-    if "dram" not in store.stats()["tiers"]:
-        raise StoreError("tier dram is not configured in this store; nothing to promote "
+    if "dram" not in store.config.tiers:
+        raise UsageError("tier dram is not configured in this store; nothing to promote "
                          "(pinned chunks stay on nvme and load from there)")
-    out = _rewrite(store, args, progress, "warming", tier="dram")
+    out = _rewrite(store, args, job, "warming", tier="dram")
     out["to"] = "dram"
     return out
 
 
 def _info_json(c: ChunkInfo, names: dict[bytes, tuple[str, str | None]]) -> dict[str, Any]:
     model, adapter = names.get(c.key[:16], (None, None))
-    return {"key": c.key.hex(), "tier": c.tier, "codec": c.codec, "bytes": c.stored_bytes,
+    return {"key": c.key.hex(), "tier": c.tier, "codec": c.codec, "level": c.level or None, "bytes": c.stored_bytes,
             "raw_bytes": c.raw_bytes, "disk_bytes": c.disk_bytes, "tokens": c.tokens, "hits": c.hits,
             "pins": c.pin_refs, "created": c.created, "last_access": c.last_access,
             "model": model, "adapter": adapter, "layout": c.layout}
 
 
 def _names(store: Store) -> dict[bytes, tuple[str, str | None]]:
-    return {ns.ns_id: (ns.model, None if ns.adapter is None else str(ns.adapter)) for ns, _ in _namespaces(store)}
+    return {r.nid: (r.ns.model, None if r.ns.adapter is None else str(r.ns.adapter)) for r in _namespaces(store)}
 
 
-def op_ls(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+LS_BATCH = 1000
+
+
+def op_ls(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """Rows are streamed to the client in batches (``job.emit``), so a listing of any size
+    fits the protocol's frame limit; the reply carries the totals."""
     limit = _arg(args, "limit", int, 100)
+    if limit < 0:
+        raise UsageError("--limit must be 0 (all) or a positive number of rows")
     infos: Iterable[ChunkInfo]
+    _check_conflicts(args)
     if args.get("doc") is not None or (args.get("keys") and not _filters(args)):
         infos = (i for i in (store.info(k) for k in select(store, args).keys) if i is not None)
     elif _filters(args):
@@ -374,17 +458,25 @@ def op_ls(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, A
     else:
         infos = store.iter_chunks()
     names = _names(store)
-    rows: list[dict[str, Any]] = []
-    total = nbytes = 0
+    batch: list[dict[str, Any]] = []
+    total = nbytes = shown = 0
     for c in infos:
         total += 1
         nbytes += c.stored_bytes
-        if limit <= 0 or len(rows) < limit:
-            rows.append(_info_json(c, names))
-    return {"chunks": rows, "total": total, "bytes": nbytes, "truncated": total > len(rows)}
+        if limit == 0 or shown < limit:
+            batch.append(_info_json(c, names))
+            shown += 1
+            if len(batch) >= LS_BATCH:
+                job.emit(batch)
+                batch = []
+        if total % 4096 == 0:
+            job.progress(total, 0, "listing")
+    if batch:
+        job.emit(batch)
+    return {"chunks": [], "total": total, "bytes": nbytes, "truncated": total > shown}
 
 
-def op_inspect(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     key = _arg(args, "key", str)
     if key is not None:
         try:
@@ -393,29 +485,34 @@ def op_inspect(store: Store, args: dict[str, Any], progress: Progress) -> dict[s
             raise UsageError(str(exc)) from None
         info = store.info(k)
         if info is None:
-            raise StoreError(f"no chunk {key} in this store")
+            raise StoreError(f"no chunk {short_key(k)}… ({key}) in this store")
         out = _info_json(info, _names(store))
         out["labels"] = sorted(label for label, ks in store.labels().items() if k in set(ks))
         return {"chunk": out}
     st = store.stats()
     recorded = _namespaces(store)
+    retired = store.retired_namespaces()
     adapters: dict[str, dict[str, Any]] = {}
-    models: dict[str, dict[str, Any]] = {}
-    for ns, doc in recorded:
+    models: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for r in recorded:
         n = b = 0
-        for c in store.iter_chunks(ns.ns_id):
+        for c in store.iter_chunks(r.nid):
             n += 1
             b += c.stored_bytes
+        ns = r.ns
         name = "(base)" if ns.adapter is None else str(ns.adapter)
         a = adapters.setdefault(name, {"adapter": None if ns.adapter is None else str(ns.adapter),
                                        "name": None if ns.adapter is None else ns.adapter.name,
                                        "model": ns.model, "chunks": 0, "bytes": 0})
         a["chunks"] += n
         a["bytes"] += b
-        m = models.setdefault(ns.model, {"model": ns.model, "chunks": 0, "bytes": 0,
-                                         "tokenizer": doc.get("info", {}).get("tokenizer")})
+        m = models.setdefault((ns.model, ns.model_fingerprint), {
+            "model": ns.model, "fingerprint": ns.model_fingerprint, "chunks": 0, "bytes": 0,
+            "tokenizer": r.doc.get("info", {}).get("tokenizer"), "last_used": 0.0, "retired": True})
         m["chunks"] += n
         m["bytes"] += b
+        m["last_used"] = max(m["last_used"], r.updated)
+        m["retired"] = m["retired"] and r.nid in retired
     labels = {label: len(ks) for label, ks in sorted(store.labels().items())}
     tiers = {name: {"chunks": t["chunks"], "bytes": t["bytes"], "capacity": t["capacity"],
                     "disk_bytes": t["disk_bytes"], "dead_bytes": t["dead_bytes"], "segments": t["segments"],
@@ -424,30 +521,44 @@ def op_inspect(store: Store, args: dict[str, Any], progress: Progress) -> dict[s
     return {
         "chunks": sum(t["chunks"] for t in tiers.values()), "bytes": sum(t["bytes"] for t in tiers.values()),
         "tiers": tiers, "adapters": sorted(adapters.values(), key=lambda a: (a["model"], a["adapter"] or "")),
-        "models": sorted(models.values(), key=lambda m: m["model"]), "labels": labels,
+        "models": sorted(models.values(), key=lambda m: (m["model"], -m["last_used"])), "labels": labels,
         "counters": st["counters"], "write_amplification": round(st["write_amplification"], 6),
     }
 
 
-def op_verify(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_verify(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     deep = _arg(args, "deep", bool, False)
     fix = _arg(args, "fix", bool, False)
-    problems = store.check(fix=fix, deep=deep, progress=lambda d, t: progress(d, t, "verifying"))
+    problems = store.check(fix=fix, deep=deep, progress=lambda d, t: job.progress(d, t, "verifying"))
     return {"ok": not problems or all(p.fixed for p in problems), "deep": deep, "fixed": fix,
             "problems": [{"kind": p.kind, "detail": p.detail, "fixed": p.fixed} for p in problems]}
 
 
-def op_names(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Labels, adapters and models, for shell completion."""
     recorded = _namespaces(store)
+    adapters = [r.ns.adapter for r in recorded if r.ns.adapter is not None]
     return {"labels": sorted(store.labels()),
-            "adapters": sorted({str(ns.adapter) for ns, _ in recorded if ns.adapter is not None}
-                               | {ns.adapter.name for ns, _ in recorded if ns.adapter is not None}),
-            "models": sorted({ns.model for ns, _ in recorded})}
+            "adapters": sorted({str(a) for a in adapters} | {a.name for a in adapters}),
+            "models": sorted({r.ns.model for r in recorded})}
 
 
-OPS: dict[str, Callable[[Store, dict[str, Any], Progress], dict[str, Any]]] = {
+def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """Show the store's settings, or change some (``set``: {KEY: VALUE}), validated first."""
+    from .settings import apply_settings, settings_json
+
+    changes = _arg(args, "set", dict, {})
+    if changes:
+        try:
+            cfg = apply_settings(store.config, changes)
+        except StoreError as exc:
+            raise UsageError(str(exc)) from None
+        store.configure(cfg)
+    return {"settings": settings_json(store.config), "changed": sorted(changes)}
+
+
+OPS: dict[str, Callable[[Store, dict[str, Any], Job], dict[str, Any]]] = {
     "lookup": op_lookup, "pin": op_pin, "unpin": op_unpin, "evict": op_evict, "move": op_move,
     "compress": op_compress, "warm": op_warm, "ls": op_ls, "inspect": op_inspect, "verify": op_verify,
-    "names": op_names,
+    "names": op_names, "config": op_config,
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -20,9 +21,14 @@ NOT_IN_SHELL = {"shell", "serve", "completion"}
 
 
 class Shell:
-    def __init__(self, app: typer.Typer, term: Any) -> None:
+    def __init__(self, app: typer.Typer, term: Any, invoke: Callable[[list[str], Any], int],
+                 report: Callable[[bool, str, str], int]) -> None:
+        # the CLI's own invoke/report (passed in: under ``python -m lmctl.cli`` the CLI module
+        # is __main__, and importing it again would make a second, different Terminal class)
         self.app = app
         self.term = term
+        self.invoke = invoke
+        self.report = report
         cmd: Any = typer.main.get_command(app)
         self.cmd = cmd
         self.commands: dict[str, Any] = {n: c for n, c in cmd.commands.items() if n not in NOT_IN_SHELL}
@@ -70,34 +76,23 @@ class Shell:
         try:
             words = shlex.split(line)
         except ValueError as exc:
-            print(f"lmctl: {exc}", file=sys.stderr)
-            return 2
+            return self.report(self.term.json, "usage", str(exc))
         if not words:
             return 0
         if words[0] in ("help", "?"):
             return self._help(words[1:])
         if words[0] in NOT_IN_SHELL:
-            print(f"lmctl: {words[0]} is not available inside the shell", file=sys.stderr)
-            return 2
+            return self.report(self.term.json, "usage", f"{words[0]} is not available inside the shell")
         if words[0] not in self.commands:
-            print(f"lmctl: unknown command {words[0]!r}; type help", file=sys.stderr)
-            return 2
+            return self.report(self.term.json, "usage", f"unknown command {words[0]!r}; type help")
         as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
         words = [w for w in words if w != "--json"]
         saved, self.term.json = self.term.json, self.term.json or as_json
         try:
-            self.cmd.main(args=words, prog_name="lmctl", standalone_mode=False, obj=self.term)
-            return 0
-        except typer.Exit as exc:
-            return int(exc.exit_code)
-        except typer.Abort:
-            return 1
-        except Exception as exc:  # usage errors, and a bug in one command: never the end of the session
-            if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-                print(f"lmctl: {exc.format_message()}", file=sys.stderr)
-                return int(exc.exit_code)
-            print(f"lmctl: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            # the same rule as the one-shot CLI: usage errors are one line (or JSON), exit 2
+            return self.invoke(words, self.term)
+        except Exception as exc:  # a bug in one command: never the end of the session
+            return self.report(self.term.json, "failed", f"internal error: {type(exc).__name__}: {exc}")
         finally:
             self.term.json = saved
 

@@ -52,6 +52,9 @@ class StoreConfig:
     access_flush_s: float = 1.0
     #: sealed segments with at least this fraction of dead bytes are compacted
     compact_dead_ratio: float = 0.3
+    #: chunks of a model fingerprint that no engine has used for this long, while the same
+    #: model id has been served with another fingerprint since, are evicted first
+    retire_after_s: float = 3600.0
 
     def validate(self) -> None:
         if not self.tiers:
@@ -69,6 +72,8 @@ class StoreConfig:
             raise StoreError("segment_bytes must be at least 64 KiB")
         if not 0 < self.low_watermark <= 1:
             raise StoreError("low_watermark must be in (0, 1]")
+        if self.retire_after_s < 0:
+            raise StoreError("retire_after_s must not be negative")
         from .codec import codec_id
 
         codec_id(self.codec)

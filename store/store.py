@@ -57,7 +57,7 @@ MAP_SIZE = 64 << 30
 FORMAT_VERSION = 1
 
 # chunks: key -> entry (+ layout JSON)
-_ENTRY = struct.Struct("<QQQQQQIIBB6xdd")
+_ENTRY = struct.Struct("<QQQQQQIIBBB5xdd")  # ..., codec, tier, codec level (0: unknown), ...
 _ENTRY_TIER_OFF = 57  # byte offset of the tier id inside a packed entry
 # segs: seg id (BE) -> segment
 _SEG = struct.Struct("<BBxxIQQQd")
@@ -83,18 +83,19 @@ class Entry:
     created: float
     last_access: float
     layout: dict[str, Any]
+    level: int = 0  # the codec level it was encoded at (0: raw, or written before levels were recorded)
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.seg, self.off, self.rec_len, self.stored_len, self.raw_len,
-                           self.checksum, self.tokens, self.hits, self.codec, self.tier,
+                           self.checksum, self.tokens, self.hits, self.codec, self.tier, self.level,
                            self.created, self.last_access) + json.dumps(
                                self.layout, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Entry:
         f = _ENTRY.unpack_from(raw, 0)
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11],
-                   json.loads(bytes(raw[_ENTRY.size:]) or b"{}"))
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[11], f[12],
+                   json.loads(bytes(raw[_ENTRY.size:]) or b"{}"), f[10])
 
     @property
     def tier_name(self) -> str:
@@ -150,6 +151,13 @@ class ChunkInfo:
     layout: dict[str, Any]
     segment: int
     offset: int
+    level: int = 0
+
+
+def short_key(key: bytes) -> str:
+    """What tells two chunks apart in a message: the start of the chunk hash (a key's first
+    16 bytes are its namespace, the same for every chunk of a model and adapter)."""
+    return key[16:24].hex() if len(key) > 16 else key.hex()
 
 
 @dataclass
@@ -181,6 +189,14 @@ class Problem:
     kind: str
     detail: str
     fixed: bool = False
+
+
+class _RolledBack(Exception):
+    """Raised inside a write transaction to abort it (a dry run) and carry its result out."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
 
 
 class EvictionPolicy(Protocol):
@@ -326,12 +342,23 @@ class Store:
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacity, budgets, codec) and apply them now."""
         config.validate()
-        for name in self._tiers:
+        for name, st in self._tiers.items():
             if name not in config.tiers:
-                raise StoreError(f"tier {name} holds data; it cannot be removed by configure()")
+                raise StoreError(f"tier {name} cannot be removed from a store's settings (it may hold chunks); "
+                                 f"evict its chunks and keep it, or give it a small capacity")
+            new_dir = config.tiers[name].path or os.path.join(self.path, name)
+            if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
+                raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
+                                 "stop every process that uses the store and move the folder first")
         with self._lock:
             self._write(lambda txn: txn.put(b"config", config.to_json().encode(), db=self._db_meta))
             self.config = config
+            self.codec = Codec(config.codec_level)
+            for name in TIER_ORDER:
+                if name in config.tiers and name not in self._tiers:
+                    cfg = config.tiers[name]
+                    d = cfg.path or os.path.join(self.path, name)
+                    self._tiers[name] = _TierState(name, TIER_IDS[name], cfg, SegmentIO(d))
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
                 self._enforce_capacity(name, 0)
@@ -366,7 +393,9 @@ class Store:
             old = txn.get(ns.ns_id, db=self._db_ns)
             if old is not None:
                 prev = json.loads(bytes(old))
-                if prev.get("info") == doc["info"]:
+                # "updated" is also when an engine last used the namespace (engines record
+                # theirs every few minutes): eviction retires fingerprints nobody uses
+                if prev.get("info") == doc["info"] and doc["updated"] - float(prev.get("updated", 0)) < 60:
                     return
                 doc["info"] = {**prev.get("info", {}), **doc["info"]}
             txn.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
@@ -377,6 +406,34 @@ class Store:
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
         with self._read() as txn:
             return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._db_ns)}
+
+    def retired_namespaces(self, txn: lmdb.Transaction | None = None) -> set[bytes]:
+        """Namespaces of a model fingerprint that has been superseded: an engine has served
+        the same model id with another fingerprint (a new checkpoint) since, and none has
+        used this one for ``retire_after_s``. Their chunks can never be hit again by the
+        current checkpoint, so eviction takes them first."""
+        if txn is None:
+            with self._read() as rtxn:
+                return self.retired_namespaces(rtxn)
+        last: dict[tuple[str, str | None], float] = {}
+        owners: dict[tuple[str, str | None], list[bytes]] = {}
+        for k, v in txn.cursor(db=self._db_ns):
+            try:
+                doc = json.loads(bytes(v))
+                nsd = doc.get("namespace", {})
+                ident = (str(nsd["model"]), nsd.get("model_fingerprint"))
+                t = float(doc.get("updated", 0))
+            except (ValueError, KeyError, TypeError):
+                continue
+            last[ident] = max(last.get(ident, 0.0), t)
+            owners.setdefault(ident, []).append(bytes(k))
+        current: dict[str, tuple[float, str | None]] = {}
+        for (model, fp), t in last.items():
+            if model not in current or t > current[model][0]:
+                current[model] = (t, fp)
+        cutoff = time.time() - self.config.retire_after_s
+        return {nid for (model, fp), t in last.items() if fp != current[model][1] and t < cutoff
+                for nid in owners[(model, fp)]}
 
     # -- writing -----------------------------------------------------------------
     def put(self, key: bytes, data: Buffer, layout: dict[str, Any], tokens: int = 0,
@@ -456,7 +513,8 @@ class Store:
                         self._unindex_entry(txn, it.key, e_cur, unlink)
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
                     e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), csum,
-                              it.tokens, hits, cid, st.tid, created, last, layout)
+                              it.tokens, hits, cid, st.tid, created, last, layout,
+                              0 if cid == 0 else (self.codec.level if level is None else level))
                     self._index_entry(txn, it.key, e)
                     results[i] = True
                     payload += e.stored_len
@@ -483,16 +541,37 @@ class Store:
         want_codec = None if codec is None else codec_id(codec)
         out = {"chunks": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0, "missing": 0}
         total = len(keys)
+        todo: list[tuple[bytes, Entry, int]] | None = [] if dry_run else None
         for n, key in enumerate(keys):
             if progress is not None:
                 progress(n, total)
-            out[self._rewrite_one(key, tier, want_codec, level, dry_run, out)] += 1
+            out[self._rewrite_one(key, tier, want_codec, level, dry_run, out, todo)] += 1
+        if todo is not None:
+            out["bytes_after"] = self._estimate(todo, level)
         if progress is not None:
             progress(total, total)
         return out
 
+    def _estimate(self, todo: list[tuple[bytes, Entry, int]], level: int | None, samples: int = 8) -> int:
+        """Stored bytes after re-encoding ``todo``, estimated from up to ``samples`` chunks
+        spread over it (each read, verified and encoded; nothing is written)."""
+        if not todo:
+            return 0
+        step = max(1, len(todo) // samples)
+        before = after = 0
+        for key, e, dst_codec in todo[::step][:samples]:
+            chunk = self.get(key, touch=False)
+            if chunk is None:
+                continue
+            itemsize = DTYPE_SIZES.get(chunk.layout.get("dtype", "uint8"), 1)
+            data = memoryview(chunk.data).cast("B")
+            before += e.stored_len
+            after += len(memoryview(self.codec.encode(dst_codec, data, itemsize, level)))
+        total_before = sum(e.stored_len for _k, e, _c in todo)
+        return round(total_before * after / before) if before else total_before
+
     def _rewrite_one(self, key: bytes, tier: str | None, want_codec: int | None, level: int | None,
-                     dry_run: bool, out: dict[str, int]) -> str:
+                     dry_run: bool, out: dict[str, int], estimate: list[tuple[bytes, Entry, int]] | None) -> str:
         for _attempt in range(5):  # compaction may relocate the chunk under us: try again
             with self._read() as txn:
                 raw = txn.get(key, db=self._db_chunks)
@@ -501,12 +580,15 @@ class Store:
             e = Entry.unpack(raw)
             dst_tier = tier or e.tier_name
             dst_codec = e.codec if want_codec is None else want_codec
-            if dst_tier == e.tier_name and dst_codec == e.codec and (level is None or dst_codec == 0):
+            same_level = level is None or dst_codec == 0 or e.level == level
+            if dst_tier == e.tier_name and dst_codec == e.codec and same_level:
                 return "skipped"
             if dry_run:
                 out["bytes_before"] += e.stored_len
+                if estimate is not None:
+                    estimate.append((key, e, dst_codec))
                 return "chunks"
-            chunk = self.get(key)
+            chunk = self.get(key, touch=False)
             if chunk is None:
                 return "missing"
             item = PutItem(key, chunk.data, chunk.layout, chunk.tokens, CODEC_NAMES[dst_codec])
@@ -706,18 +788,26 @@ class Store:
 
         def fn(txn: lmdb.Transaction) -> int:
             freed = 0
-            victims = []
-            for key in self.policy.victims(self, txn, st.tid):
-                if freed >= to_free:
-                    break
-                raw = txn.get(key, db=self._db_chunks)
-                if raw is None:
-                    continue
-                e = Entry.unpack(raw)
-                victims.append((key, e))
-                freed += e.rec_len
-            for key, e in victims:
+            victims: dict[bytes, Entry] = {}
+            retired = 0
+            # chunks of superseded model fingerprints go first, then the policy's order
+            sources = ((True, self._retired_victims(txn, st.tid)), (False, self.policy.victims(self, txn, st.tid)))
+            for from_retired, keys in sources:
+                for key in keys:
+                    if freed >= to_free:
+                        break
+                    if key in victims:
+                        continue
+                    raw = txn.get(key, db=self._db_chunks)
+                    if raw is None:
+                        continue
+                    e = Entry.unpack(raw)
+                    victims[key] = e
+                    freed += e.rec_len
+                    retired += from_retired
+            for key, e in victims.items():
                 self._unindex_entry(txn, key, e, unlink)
+            self._add(txn, "evicted_retired", retired)
             self._add(txn, "evicted", len(victims))
             return len(victims)
 
@@ -735,6 +825,23 @@ class Store:
                 self._seal_open(st)
                 self.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
         return n
+
+    def _retired_victims(self, txn: lmdb.Transaction, tier: int) -> Iterator[bytes]:
+        """Unpinned chunks of retired namespaces (see ``retired_namespaces``) in ``tier``."""
+        pins = txn.cursor(db=self._db_pins)
+        for nid in sorted(self.retired_namespaces(txn)):
+            cur = txn.cursor(db=self._db_chunks)
+            if not cur.set_range(nid):
+                continue
+            for k, v in cur:
+                if not bytes(k).startswith(nid):
+                    break
+                if v[_ENTRY_TIER_OFF] != tier:
+                    continue
+                key = bytes(k)
+                if pins.set_key(key) and _PIN.unpack(pins.value())[0] > 0:
+                    continue
+                yield key
 
     def maintain(self, high_watermark: float = 0.95) -> dict[str, int]:
         """Background housekeeping (the daemon calls it periodically): evict any tier above
@@ -902,7 +1009,7 @@ class Store:
     def _chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
         return ChunkInfo(key, e.tier_name, CODEC_NAMES.get(e.codec, str(e.codec)), e.stored_len,
                          e.raw_len, e.rec_len, e.tokens, e.hits, e.created, e.last_access, refs,
-                         e.layout, e.seg, e.off)
+                         e.layout, e.seg, e.off, e.level)
 
     def contains(self, key: bytes) -> bool:
         with self._read() as txn:
@@ -929,20 +1036,24 @@ class Store:
         size = ns.kv_format.chunk_size
         return LookupResult(len(tokens), hit * size, size, keys, tiers)
 
-    def get(self, key: bytes) -> Chunk | None:
-        """Read and verify one chunk; None on a miss (absent, corrupt or foreign)."""
+    def get(self, key: bytes, touch: bool = True) -> Chunk | None:
+        """Read and verify one chunk; None on a miss (absent, corrupt or foreign).
+
+        ``touch=False`` is for the store's own work (move, compress, warm): the read counts
+        as neither a hit nor a miss and leaves the chunk's access time alone."""
         with self._read() as txn:
             raw = txn.get(key, db=self._db_chunks)
         if raw is None:
-            self._count_miss()
+            if touch:
+                self._count_miss()
             return None
         out = bytearray(Entry.unpack(raw).raw_len)
-        res = self.get_into(key, out)
+        res = self.get_into(key, out, touch)
         if res is None:
             return None
         return Chunk(key, out, res.layout, res.tokens, res.tier, res.codec)
 
-    def get_into(self, key: bytes, out: Buffer) -> ChunkInfo | None:
+    def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
         """Read one chunk into ``out`` (a writable buffer of at least its raw size).
 
         Returns its metadata, or None on a miss. On a miss ``out`` may hold garbage.
@@ -954,14 +1065,14 @@ class Store:
             with self._read() as txn:
                 raw = txn.get(key, db=self._db_chunks)
             if raw is None:
-                self._count_miss()
+                self._count_miss(touch)
                 return None
             e = Entry.unpack(raw)
             if len(dst) < e.raw_len:
                 raise StoreError(f"output buffer of {len(dst)} bytes is smaller than the chunk ({e.raw_len})")
             st = self._tiers.get(e.tier_name)
             if st is None:
-                self._count_miss()
+                self._count_miss(touch)
                 return None
             stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
             try:
@@ -975,16 +1086,19 @@ class Store:
             except SegmentGone:
                 continue  # compacted under us: look the key up again
             except (CorruptRecord, StoreError) as exc:
-                log.warning("dropping corrupt chunk %s: %s", key.hex()[:16], exc)
+                log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
                 self._drop_corrupt(key, e)
-                self._count_miss()
+                self._count_miss(touch)
                 return None
-            self._touch(key)
+            if touch:
+                self._touch(key)
             return self._chunk_info(key, e, 0)
-        self._count_miss()
+        self._count_miss(touch)
         return None
 
-    def _count_miss(self) -> None:
+    def _count_miss(self, count: bool = True) -> None:
+        if not count:
+            return
         with self._lock:
             self._stats_mem["misses"] += 1
 
@@ -1042,13 +1156,14 @@ class Store:
         self._write(fn)
 
     # -- pins --------------------------------------------------------------------
-    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0) -> int:
+    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False) -> int:
         """Pin ``keys`` under ``label``; keys need not be stored yet.
 
         ``expected_bytes`` is what each not-yet-stored chunk will take on disk; it
         counts against the pin budget until the chunk arrives. Returns the number of
         pin references added (a label pins a key at most once). Raises
         ``PinBudgetError`` (changing nothing) if the budget would be exceeded.
+        ``dry_run`` does all of it, budget check included, then rolls the transaction back.
         """
         if not label or "\0" in label:
             raise StoreError("a pin label must be a non-empty string without NUL")
@@ -1084,9 +1199,14 @@ class Store:
                     raise PinBudgetError(
                         f"pin {label!r} would put {pinned} bytes pinned in tier {tname}, over its pin "
                         f"budget of {st.cfg.pin_budget_bytes} bytes; unpin something or raise the budget")
+            if dry_run:
+                raise _RolledBack(added)
             return added
 
-        return self._write(fn)
+        try:
+            return self._write(fn)
+        except _RolledBack as rb:
+            return rb.value
 
     def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
         """Drop ``label``'s pins on ``keys`` (all of the label's keys when None).
@@ -1162,7 +1282,7 @@ class Store:
         with self._read() as txn:
             c = {k: self._get_counter(txn, k) for k in (
                 "puts", "payload_bytes", "written_bytes", "hits", "misses", "corrupt", "evicted",
-                "rejected_full", "compacted_bytes", "pin_reserved")}
+                "rejected_full", "compacted_bytes", "pin_reserved", "evicted_retired")}
             tiers = {}
             for name, st in self._tiers.items():
                 segs = dead = 0
@@ -1319,7 +1439,7 @@ class Store:
                 progress(i + 1, len(entries))
             st = self._tiers.get(e.tier_name)
             if st is None or e.seg not in segs:
-                problems.append(Problem("dangling-entry", f"{key.hex()[:16]} points to missing segment {e.seg}"))
+                problems.append(Problem("dangling-entry", f"chunk {short_key(key)} points to missing segment {e.seg}"))
                 bad.append((key, e))
                 continue
             if not os.path.exists(st.io.path(e.seg)):
@@ -1332,7 +1452,7 @@ class Store:
                     if hdr.key != key:
                         raise CorruptRecord("foreign key")
                 except (CorruptRecord, SegmentGone) as exc:
-                    problems.append(Problem("corrupt-chunk", f"{key.hex()[:16]}: {exc}"))
+                    problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
                     bad.append((key, e))
         if fix and bad:
             def drop(txn: lmdb.Transaction) -> None:

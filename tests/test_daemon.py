@@ -199,10 +199,13 @@ def test_pins_survive_a_daemon_restart(daemon: Daemon, tmp_path: Path) -> None:
 
 
 def test_move_and_warm_need_a_configured_tier(daemon: Daemon, tmp_path: Path) -> None:
+    # an unconfigured tier is a usage error (2) in every command, with one line
     r = cli(daemon, "move", "--to", "dram", "--model", "m")
-    assert r.returncode == 1 and "tier dram is not configured" in r.stderr and r.stderr.count("\n") == 1
+    assert r.returncode == 2 and "tier dram is not configured" in r.stderr and r.stderr.count("\n") == 1
     r = cli(daemon, "--json", "warm", "--model", "m")
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "failed"
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["code"] == "usage"
+    r = cli(daemon, "--json", "ls", "--tier", "dram")
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["code"] == "usage"
     r = cli(daemon, "move", "--to", "floppy", "--model", "m")
     assert r.returncode == 2
 

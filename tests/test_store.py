@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -355,3 +356,50 @@ def test_rewrite_moves_and_recompresses_keeping_pins_and_bytes(tmp_path: Path) -
         assert s.check(deep=True) == []
     finally:
         s.close()
+
+
+def test_chunks_of_a_retired_model_fingerprint_are_evicted_first(make_store: MakeStore) -> None:
+    """A new checkpoint under the same model id: the old fingerprint's chunks can never be hit
+    again, so they go before any LRU victim, even when they were read more recently."""
+    per = SMALL_FMT.chunk_bytes + 4096
+    store = make_store(capacity=64 * per, segment_bytes=1 * MiB, retire_after_s=0.3)
+    old = Namespace("m", SMALL_FMT, model_fingerprint="a" * 32)
+    new = Namespace("m", SMALL_FMT, model_fingerprint="b" * 32)
+    other = Namespace("other-model", SMALL_FMT, model_fingerprint="c" * 32)
+    store.register_namespace(old)
+    old_keys = old.chunk_keys(list(range(16 * 16)))
+    for k in old_keys:
+        assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.pin("keep", old_keys[:2])
+    store.register_namespace(other)
+    other_keys = other.chunk_keys(list(range(5000, 5000 + 16 * 8)))
+    for k in other_keys:
+        assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    time.sleep(0.4)
+    store.register_namespace(new)  # the new checkpoint is served; the old one is not any more
+    store.register_namespace(other)  # still in use (it has one fingerprint: never retired)
+    assert store.retired_namespaces() == {old.ns_id}
+    for k in old_keys[2:]:
+        assert store.get(k) is not None  # the old chunks are the most recently used
+    store.flush()
+    new_keys = new.chunk_keys(list(range(100, 100 + 16 * 38)))
+    for k in new_keys:
+        assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    located = store.locate(old_keys)
+    assert located[:2] == ["nvme", "nvme"]  # pinned: kept
+    assert located[2:].count(None) >= 8  # the retired fingerprint went first ...
+    assert store.locate(other_keys) == ["nvme"] * len(other_keys)  # ... not the older, unrelated model
+    assert store.stats()["counters"]["evicted_retired"] >= 8
+
+
+def test_compress_records_its_level_and_rewrites_skip_the_same_form(make_store: MakeStore, ns: Namespace) -> None:
+    store = make_store()
+    keys = ns.chunk_keys(list(range(16 * 4)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    res = store.rewrite(keys, codec="zstd", level=3)
+    assert res["chunks"] == 4 and {store.info(k).level for k in keys} == {3}  # type: ignore[union-attr]
+    assert store.rewrite(keys, codec="zstd", level=3)["skipped"] == 4
+    assert store.rewrite(keys, codec="zstd", level=1)["chunks"] == 4
+    assert store.rewrite(keys, codec="raw")["chunks"] == 4
+    assert store.rewrite(keys, codec="raw")["skipped"] == 4

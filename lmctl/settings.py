@@ -1,0 +1,180 @@
+"""Store settings by name: one vocabulary for ``lmctl config set``, ``lmctl serve``'s flags
+and its TOML config file.
+
+A setting is a dotted name and a value: ``codec``, ``codec_level``, ``tiers.nvme.capacity``,
+``tiers.dram.path``, ``tiers.nvme.pin_budget`` ... Values may be typed (TOML) or text (the
+command line): sizes accept ``500GiB``, durations ``90s``/``12h``/``7d``. Every change is
+validated on a copy of the settings; nothing is applied unless all of it is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from store import StoreConfig, StoreError, TierConfig
+from store.config import TIER_ORDER, parse_size
+
+#: store-wide settings and how their values are read
+STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
+              "access_flush_s", "compact_dead_ratio", "retire_after_s")
+TIER_KEYS = ("capacity", "path", "pin_budget")
+#: daemon settings a config file may hold (not recorded in the store)
+DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(value: Any, name: str = "duration") -> float:
+    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"`` or ``"2w"``."""
+    if isinstance(value, bool):
+        raise StoreError(f"{name} {value!r} is not a duration like 90s, 30m, 12h or 7d")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _DURATION.match(str(value))
+    if not m:
+        raise StoreError(f"{name} {value!r} is not a duration like 90s, 30m, 12h or 7d")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise StoreError(f"{name} must be true or false, not {value!r}")
+
+
+def _number(value: Any, name: str, kind: type = float) -> Any:
+    if isinstance(value, bool):
+        raise StoreError(f"{name} must be a number, not {value!r}")
+    try:
+        n = float(value)
+    except (TypeError, ValueError):
+        raise StoreError(f"{name} must be a number, not {value!r}") from None
+    if kind is int:
+        if n != int(n):
+            raise StoreError(f"{name} must be a whole number, not {value!r}")
+        return int(n)
+    return n
+
+
+def _size(value: Any, name: str) -> int:
+    if isinstance(value, float) and value != int(value):
+        raise StoreError(f"{name} must be a whole number of bytes or a size like 500GiB, not {value!r}")
+    if isinstance(value, str) and value.strip().isdigit():
+        raise StoreError(f"{name} {value!r} has no unit: write {value}B if you mean bytes, or e.g. 500GiB")
+    return parse_size(value)
+
+
+def _pin_budget(value: Any, name: str) -> float:
+    """A fraction of the tier's capacity (0-1) or a size (``100GiB``)."""
+    if isinstance(value, str) and re.search(r"[a-zA-Z]", value):
+        return float(parse_size(value))
+    n = _number(value, name)
+    if n < 0:
+        raise StoreError(f"{name} must not be negative")
+    return float(n)
+
+
+def _read_store_key(key: str, value: Any) -> Any:
+    if key == "codec":
+        from store.codec import codec_id
+
+        codec_id(str(value))
+        return str(value)
+    if key == "codec_level":
+        lvl = _number(value, key, int)
+        if not 1 <= lvl <= 19:
+            raise StoreError("codec_level must be between 1 and 19")
+        return lvl
+    if key == "default_tier":
+        return str(value)
+    if key == "segment_bytes":
+        return _size(value, key)
+    if key == "fsync":
+        return _bool(value, key)
+    if key in ("access_flush_s", "retire_after_s"):
+        secs = parse_duration(value, key)
+        if secs < 0:
+            raise StoreError(f"{key} must not be negative")
+        return secs
+    return _number(value, key)  # low_watermark, compact_dead_ratio: validate() checks ranges
+
+
+def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConfig:
+    """A validated copy of ``config`` with ``changes`` ({dotted name: value}) applied.
+    Naming a tier that is not configured adds it (its capacity is then required)."""
+    cfg = StoreConfig.from_json(config.to_json())
+    for name, value in changes.items():
+        parts = str(name).split(".")
+        if len(parts) == 1 and parts[0] in STORE_KEYS:
+            setattr(cfg, parts[0], _read_store_key(parts[0], value))
+        elif len(parts) == 3 and parts[0] == "tiers" and parts[2] in TIER_KEYS:
+            tier, field = parts[1], parts[2]
+            if tier not in TIER_ORDER:
+                raise StoreError(f"unknown tier {tier!r} in {name}; local tiers are {', '.join(TIER_ORDER)}")
+            t = cfg.tiers.get(tier)
+            if t is None:
+                t = cfg.tiers[tier] = TierConfig(capacity=0)
+            if field == "capacity":
+                t.capacity = _size(value, name)
+            elif field == "path":
+                t.path = str(value) or None
+            else:
+                t.pin_budget = _pin_budget(value, name)
+        else:
+            raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)} and "
+                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)})")
+    cfg.validate()
+    return cfg
+
+
+def settings_json(config: StoreConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"tiers": {"nvme": {"capacity": "1TB"}}}`` -> ``{"tiers.nvme.capacity": "1TB"}``."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A TOML config file: ``([daemon] settings, store settings as dotted names)``.
+
+    Layout: a ``[daemon]`` table (``store``, ``socket``, ``allow_uid``,
+    ``maintenance_interval``, ``log_level``, ``socket_mode``, ``socket_group``), a
+    ``[store]`` table of store settings and ``[tiers.NAME]`` tables."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise StoreError(f"cannot read config file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise StoreError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(doc) - {"daemon", "store", "tiers"})
+    if unknown:
+        raise StoreError(f"config file {path}: unknown table(s) {', '.join(unknown)}; "
+                         "tables are [daemon], [store] and [tiers.NAME]")
+    daemon = dict(doc.get("daemon") or {})
+    bad = sorted(set(daemon) - set(DAEMON_KEYS))
+    if bad:
+        raise StoreError(f"config file {path}: unknown [daemon] setting(s) {', '.join(bad)}; "
+                         f"known: {', '.join(DAEMON_KEYS)}")
+    changes = flatten(doc.get("store") or {})
+    changes.update(flatten({"tiers": doc.get("tiers") or {}}))
+    return daemon, changes
