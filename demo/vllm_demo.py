@@ -12,6 +12,7 @@ see comes from the lmctl store.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -29,6 +30,7 @@ import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imp
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
 
+SERVED_NAME = "smollm2"  # vllm serve --served-model-name: the model id lmctl knows it by
 PARTIES = ["the Tenant", "the Landlord", "the Guarantor", "the Agent", "the Insurer"]
 DUTIES = [
     "shall pay the rent of {n} euros on the first day of each month",
@@ -51,10 +53,13 @@ def document(n_clauses: int, seed: int = 7) -> str:
     return "\n".join(lines)
 
 
-def chat_prompt(tok: Any, doc: str, question: str) -> str:
-    msgs = [{"role": "system", "content": "You answer questions about this lease.\n\n" + doc},
+def chat_messages(doc: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You answer questions about this lease.\n\n" + doc},
             {"role": "user", "content": question}]
-    return str(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+
+def chat_prompt(tok: Any, doc: str, question: str) -> str:
+    return str(tok.apply_chat_template(chat_messages(doc, question), tokenize=False, add_generation_prompt=True))
 
 
 def ttft(eng: Engine, prompt: str, lora: Any, max_tokens: int = 1) -> tuple[float, int, str]:
@@ -89,13 +94,15 @@ def main() -> None:
     questions = ["What must the Tenant pay each month?", "Who may enter the premises, and when?",
                  "How can the agreement be ended?"]
     doc_tokens = len(tok(chat_prompt(tok, doc, ""))["input_ids"])
+    # the first question's request, for lmctl lookup/pin --messages (see the README)
+    (work / "lease.json").write_text(json.dumps(chat_messages(doc, questions[0]), indent=1))
     print(f"shared document: {doc_tokens} tokens (chunks of 256)\n")
 
     who: list[tuple[str, Any]] = [("base", None)] + [
         (name, LoRARequest(name, i + 1, str(path))) for i, (name, path) in enumerate(adapters.items())]
     rows: dict[str, dict[str, Any]] = {name: {} for name, _ in who}
 
-    eng = Engine(model, store, max_model_len=8192)
+    eng = Engine(model, store, max_model_len=8192, served_model_name=SERVED_NAME)
     ttft(eng, chat_prompt(tok, "A short warm-up.", "Hi"), None)  # the first request after a start is slower
     for name, lora in who:
         rows[name]["cold"] = ttft(eng, chat_prompt(tok, doc, questions[0]), lora)
@@ -126,7 +133,8 @@ def main() -> None:
     print(f"\nstore: {t['chunks']} chunks, {t['bytes'] / 2**20:.1f} MiB in {t['segments']} segment file(s), "
           f"write amplification {summary['write_amplification']:.4f}, "
           f"namespaces (model x adapter): {len(rows)}")
-    print(f"look inside: .venv/bin/lmctl serve --store {store} &  then  LMCTL_STORE={store} .venv/bin/lmctl inspect")
+    print(f"look inside: .venv/bin/lmctl serve --store {store} &  then  export LMCTL_STORE={store}; "
+          f".venv/bin/lmctl inspect; .venv/bin/lmctl lookup --model {SERVED_NAME} --messages {work / 'lease.json'}")
 
 
 if __name__ == "__main__":

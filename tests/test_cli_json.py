@@ -1,0 +1,88 @@
+"""Every command's --json output has exactly the keys docs/cli.md shows for it."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from conftest import ROOT
+from test_daemon import TOKENS, Daemon, cli, cj, fill, tokens_file
+
+#: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
+MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "chunk.layout", "chunks[].layout", "daemon.maintenance"}
+
+
+def documented() -> dict[str, Any]:
+    text = (ROOT / "docs" / "cli.md").read_text()
+    out = {}
+    for name, body in re.findall(r"<!-- json: ([^>]+?) -->\n```json\n(.*?)```", text, re.S):
+        out[name] = json.loads(body)
+    return out
+
+
+def same_keys(doc: Any, got: Any, path: str = "") -> None:
+    if path in MAPS:
+        assert isinstance(got, dict), path
+        if doc and got:
+            same_keys(next(iter(doc.values())), next(iter(got.values())), path + ".*")
+        return
+    if isinstance(doc, dict):
+        assert isinstance(got, dict), f"{path}: documented an object, got {got!r}"
+        assert set(doc) == set(got), f"{path or 'top'}: keys differ: {sorted(set(doc) ^ set(got))}"
+        for k in doc:
+            same_keys(doc[k], got[k], f"{path}.{k}" if path else k)
+    elif isinstance(doc, list):
+        assert isinstance(got, list), path
+        if doc and got:
+            same_keys(doc[0], got[0], path + "[]")
+    elif doc is not None:
+        assert not isinstance(got, (dict, list)), f"{path}: documented a value, got {got!r}"
+
+
+def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
+    docs = documented()
+    fill(tmp_path / "store", dram=True)
+    d = Daemon(tmp_path / "store")
+    d.start()
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a: object) -> None:
+            return
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        doc = tokens_file(tmp_path, TOKENS + [1, 2, 3])
+        key = cj(d, "lookup", "--tokens", doc)["chunks"][0]["key"]
+        got = {
+            "error": json.loads(cli(d, "--json", "pin", "--tokens", doc).stdout),
+            "config": cj(d, "config", "set", "codec_level=1"),
+            "status": cj(d, "status"),
+            "lookup": cj(d, "lookup", "--tokens", doc),
+            "pin": cj(d, "pin", "--label", "contracts", "--tokens", doc),
+            "unpin": cj(d, "unpin", "--label", "contracts", "--key", key, "--dry-run"),
+            "evict": cj(d, "evict", "--unpinned", "--dry-run"),
+            "move": cj(d, "move", "--to", "dram", "--label", "contracts"),
+            "compress": cj(d, "compress", "--label", "contracts"),
+            "inspect": cj(d, "inspect"),
+            "inspect --key": cj(d, "inspect", "--key", key),
+            "ls": cj(d, "ls", "--limit", "1"),
+            "warm": cj(d, "warm", "--tokens", doc, "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}"),
+            "verify": cj(d, "verify"),
+        }
+    finally:
+        srv.shutdown()
+        d.stop()
+    assert set(got) == set(docs), f"documented JSON without a check, or the reverse: {set(got) ^ set(docs)}"
+    for name, doc_json in docs.items():
+        same_keys(doc_json, got[name], "")
