@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import ROOT
-from test_daemon import TOKENS, Daemon, cli, cj, fill, tokens_file
+from test_daemon import TOKENS, Daemon, cj, cli, fill, tokens_file
 
 #: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
 MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "chunk.layout", "chunks[].layout", "daemon.maintenance"}
