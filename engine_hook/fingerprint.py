@@ -12,8 +12,12 @@ without reading gigabytes of weights at every engine start. It digests:
 * each safetensors file's header (the 8-byte length and the JSON that lists every
   tensor's dtype, shape and byte range), whole;
 * a fixed sample of each weight file's bytes: windows at the start, the middle and the
-  end of every tensor's data (safetensors), so that retraining any single tensor, however
-  small, changes the digest, plus evenly spaced windows over the whole file (every file);
+  end of every tensor's data (safetensors, and PyTorch's zip format: every tensor storage
+  is a zip entry), so that retraining any single tensor, however small, changes the
+  digest, plus evenly spaced windows over the whole file (every file);
+* for PyTorch zip files (``.bin``, ``.pt``, ``.pth`` since PyTorch 1.6), the central
+  directory (every entry's name, sizes and the CRC-32 of its whole content, as written)
+  and the pickled structure (``data.pkl``);
 * the quantisation method and the KV cache dtype the engine runs with.
 
 Only files at the top of the model folder count (what vLLM loads); tokenizer files,
@@ -28,15 +32,18 @@ Pure Python (hashlib, json, os): no torch, no vllm.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import threading
 import time
+import zipfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("lmctl.engine_hook")
 
@@ -114,11 +121,12 @@ def _kind(name: str) -> str | None:
     return None
 
 
-Listing = tuple[tuple[str, int, int], ...]
+Listing = tuple[tuple[str, int, int, int, int], ...]
 
 
 def _listing(folder: Path) -> Listing:
-    """(name, size, mtime) of the files that identify the checkpoint, by name."""
+    """(name, size, mtime, ctime, inode) of the files that identify the checkpoint, by name.
+    Name and size go into the digest; all of it into the per-process cache key."""
     out = []
     with os.scandir(folder) as it:
         for entry in it:
@@ -130,7 +138,7 @@ def _listing(folder: Path) -> Listing:
                 st = entry.stat()
             except OSError:
                 continue
-            out.append((entry.name, st.st_size, st.st_mtime_ns))
+            out.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
     out.sort()
     return tuple(out)
 
@@ -201,6 +209,66 @@ def _read(fd: int, off: int, n: int) -> bytes:
     return bytes(out)
 
 
+class _PreadFile(io.RawIOBase):
+    """A read-only, seekable file over a descriptor that counts the bytes it reads."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        super().__init__()
+        self.fd, self.size, self.pos, self.read_bytes = fd, size, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        got = os.preadv(self.fd, [buf], self.pos)
+        self.pos += got
+        self.read_bytes += got
+        return got
+
+
+def _zip_entries(fd: int, size: int) -> tuple[bytes, list[tuple[int, int]], list[tuple[int, int]], int] | None:
+    """A zip file (PyTorch's ``torch.save`` format since 1.6: one entry per tensor storage,
+    the pickled structure in ``data.pkl``): the bytes that describe its central directory
+    (each entry's name, sizes and the CRC-32 of its whole content, as the writer recorded
+    it), the data range of every entry, the data range of every pickle, and the bytes read.
+    None if it is not a readable zip file."""
+    f = _PreadFile(fd, size)
+    try:
+        with zipfile.ZipFile(f) as z:  # reads the end record and the central directory only
+            infos = sorted(z.infolist(), key=lambda i: i.header_offset)
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError):
+        return None
+    desc = bytearray()
+    data: list[tuple[int, int]] = []
+    pickles: list[tuple[int, int]] = []
+    for info in infos:
+        name = info.filename.encode()
+        desc += len(name).to_bytes(4, "little") + name
+        desc += b"".join(x.to_bytes(8, "little") for x in (info.CRC, info.compress_size, info.file_size))
+        local = _read(fd, info.header_offset, 30)
+        f.read_bytes += 30
+        if local[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+        start = info.header_offset + 30 + name_len + extra_len
+        end = start + info.compress_size
+        if end > size:
+            return None
+        (pickles if info.filename.endswith(".pkl") else data).append((start, end))
+    return bytes(desc), data, pickles, f.read_bytes
+
+
 def _digest_file(path: Path, kind: str, size: int) -> tuple[bytes, int]:
     """One file's digest and the bytes read for it."""
     h = hashlib.sha256()
@@ -234,6 +302,19 @@ def _digest_file(path: Path, kind: str, size: int) -> tuple[bytes, int]:
                     windows.extend(_tensor_windows(b, e))
         else:
             windows.append((0, HEAD_BYTES))
+            zipped = None
+            if size >= 30:
+                read += 4
+                if _read(fd, 0, 4) == b"PK\x03\x04":
+                    zipped = _zip_entries(fd, size)
+            if zipped is not None:
+                desc, ranges, pickles, n = zipped
+                read += n
+                _frame(h, "zip-directory", desc)
+                for b, e in ranges:
+                    windows.extend(_tensor_windows(b, e))
+                for b, e in pickles:  # the structure: names, dtypes, shapes (small)
+                    windows.append((b, min(e - b, MAX_HEADER_BYTES)))
         for off, n in _merge(windows, size):
             data = _read(fd, off, n)
             read += n
@@ -253,8 +334,9 @@ def folder_fingerprint(folder: str | os.PathLike[str], quantization: str | None 
                        kv_cache_dtype: str | None = None) -> ModelFingerprint:
     """The fingerprint of the checkpoint in ``folder`` (or of one weight file).
 
-    Computed once per process for the same files (same names, sizes and mtimes); raises
-    ``FingerprintError`` if the folder cannot be listed or holds no weight or config file.
+    Computed once per process for the same files (same names, sizes, mtimes, ctimes and
+    inodes); raises ``FingerprintError`` if the folder cannot be listed or holds no weight
+    or config file.
     A file that cannot be read is digested as unreadable (its name, size and the error
     kind) and reported in ``warnings``: the fingerprint then differs from the one of
     readable files, so it can only cost misses, never wrong hits."""
@@ -262,7 +344,7 @@ def folder_fingerprint(folder: str | os.PathLike[str], quantization: str | None 
     try:
         if root.is_file():
             st = root.stat()
-            listing: Listing = ((root.name, st.st_size, st.st_mtime_ns),)
+            listing: Listing = ((root.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino),)
             base = root.parent
         else:
             listing = _listing(root)
@@ -278,7 +360,7 @@ def folder_fingerprint(folder: str | os.PathLike[str], quantization: str | None 
         return replace(got, cached=True, bytes_read=0, seconds=0.0)
 
     t0 = time.perf_counter()
-    jobs = [(name, _kind(name) or "weights", size) for name, size, _ in listing]
+    jobs = [(name, _kind(name) or "weights", size) for name, size, *_ in listing]
 
     def one(job: tuple[str, str, int]) -> tuple[bytes, int, str | None]:
         name, kind, size = job

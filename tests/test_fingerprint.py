@@ -104,9 +104,9 @@ def test_retraining_any_single_tensor_changes_it(ckpt: Path, tmp_path: Path) -> 
     assert n == sum(len(t) for t in SHARDS.values())
 
 
-def test_changing_one_value_in_the_middle_of_a_large_non_safetensors_file_is_not_promised(tmp_path: Path) -> None:
-    """Documents the limit: a sample finds retrained tensors, not a single changed byte
-    between the windows of a pickle file."""
+def test_one_changed_value_between_the_windows_of_an_opaque_file_is_not_promised(tmp_path: Path) -> None:
+    """Documents the limit: in a file it cannot parse (neither safetensors nor a zip), a
+    sample finds a retrained file, not a single changed byte between its windows."""
     a = tmp_path / "a"
     a.mkdir()
     (a / "config.json").write_text("{}")
@@ -119,6 +119,102 @@ def test_changing_one_value_in_the_middle_of_a_large_non_safetensors_file_is_not
     assert fp(a) == fp(b)
     blob[:] = np.random.default_rng(1).bytes(4 << 20)  # the whole file retrained
     (b / "pytorch_model.bin").write_bytes(blob)
+    assert fp(a) != fp(b)
+
+
+TORCH_TENSORS = {"embed.weight": (512, 256), "layers.0.norm.weight": (3,), "layers.0.proj.weight": (300, 256),
+                 "layers.1.proj.bias": (5,), "head.weight": (700, 256)}
+
+
+def _entries(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (start, end) of each zip entry's data, from its local header."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for i in z.infolist():
+            f.seek(i.header_offset)
+            local = f.read(30)
+            start = i.header_offset + 30 + sum(int.from_bytes(local[k : k + 2], "little") for k in (26, 28))
+            out[i.filename.partition("/")[2]] = (start, start + i.compress_size)  # without the archive's folder
+    return out
+
+
+def _covered(size: int, lo: int, hi: int, entries: dict[str, tuple[int, int]] | None = None) -> bool:
+    """Whether the fingerprint's file-wide windows (and, given ``entries``, the windows of
+    every entry) read any byte of [lo, hi), counting the gaps that merged windows read."""
+    wins = fpmod._spaced(size) + [(0, fpmod.HEAD_BYTES)]
+    for b, e in (entries or {}).values():
+        wins += fpmod._tensor_windows(b, e)
+    return any(off - fpmod.MERGE_GAP < hi and lo < off + n + fpmod.MERGE_GAP for off, n in wins)
+
+
+def _torch_checkpoint(folder: Path) -> tuple[Path, dict[str, tuple[int, int]]]:
+    """A pytorch_model.bin (torch.save's zip format: one entry per tensor storage)."""
+    import torch
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    g = torch.Generator().manual_seed(0)
+    torch.save({name: torch.randn(shape, generator=g) for name, shape in TORCH_TENSORS.items()},
+               folder / "pytorch_model.bin")
+    ents = {k: v for k, v in _entries(folder / "pytorch_model.bin").items() if k.startswith("data/")}
+    assert len(ents) == len(TORCH_TENSORS)
+    return folder / "pytorch_model.bin", ents
+
+
+def test_pytorch_zip_files_are_sampled_per_tensor(tmp_path: Path) -> None:
+    """Every tensor storage of a torch.save file is a zip entry, sampled at its start,
+    middle and end: retraining any one changes the fingerprint, even a 3-value tensor that
+    no file-wide window reaches. (The bytes are patched in place: the rest of the file,
+    the entries' recorded CRC-32s included, stays the same.)"""
+    path, ents = _torch_checkpoint(tmp_path / "base")
+    size = path.stat().st_size
+    assert not _covered(size, *ents["data/1"])  # the 3-value norm weight: no file-wide window reads it
+    seen = {fp(path.parent)}
+    rng = np.random.default_rng(5)
+    for n, (name, (b, e)) in enumerate(ents.items()):
+        variant = tmp_path / f"v{n}"
+        shutil.copytree(path.parent, variant)
+        with open(variant / path.name, "r+b") as f:
+            f.seek(b)
+            f.write(rng.standard_normal((e - b) // 4).astype(np.float32).tobytes())
+        d = fp(variant)
+        assert d not in seen, f"retraining {name} did not change the fingerprint"
+        seen.add(d)
+    fpmod.clear_cache()
+    got = folder_fingerprint(path.parent)
+    assert got.source == "files" and 0 < got.bytes_read < size // 4
+
+
+def test_pytorch_zip_crc_catches_a_change_between_the_windows(tmp_path: Path) -> None:
+    """One value changed in the middle of a large tensor, far from every data window: a
+    zip records each entry's CRC-32 of its whole content (in the entry's local header and
+    in the central directory), and the fingerprint reads both."""
+    import zipfile
+
+    src, ents = _torch_checkpoint(tmp_path / "src")
+
+    def rezip(dst: Path, patch: dict[str, bytes]) -> Path:
+        dst.mkdir()
+        shutil.copy(src.parent / "config.json", dst)
+        with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst / src.name, "w", zipfile.ZIP_STORED) as zo:
+            for info in zi.infolist():
+                zo.writestr(zipfile.ZipInfo(info.filename, date_time=(2020, 1, 1, 0, 0, 0)),
+                            patch.get(info.filename, zi.read(info)))
+        return dst
+
+    a = rezip(tmp_path / "a", {})
+    name = "data/2"  # layers.0.proj.weight, 300 x 256 float32
+    with zipfile.ZipFile(src) as z:
+        full = next(n for n in z.namelist() if n.endswith("/" + name))
+        data = bytearray(z.read(full))
+    pos = 4 * (170 * 256 + 100)
+    data[pos : pos + 4] = np.float32(7.5).tobytes()
+    b = rezip(tmp_path / "b", {full: bytes(data)})
+    ents_b = _entries(b / src.name)
+    start = ents_b[name][0]
+    assert not _covered((b / src.name).stat().st_size, start + pos, start + pos + 4, ents_b)
     assert fp(a) != fp(b)
 
 
