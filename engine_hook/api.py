@@ -58,6 +58,7 @@ class NamespaceBook:
     model fingerprints) engines still use. The check costs a dict lookup per ``get``."""
 
     REFRESH_S = 300.0
+    RETRY_S = 30.0
 
     def __init__(self, store: Store, model: str, info: dict[str, Any],
                  model_fingerprint: str | None = None, *, refresh_s: float = REFRESH_S,
@@ -97,15 +98,15 @@ class NamespaceBook:
         try:
             self.store.register_namespace(ns, info)
         except Exception:
-            with self._lock:  # try again at the next use
-                if last is None:
+            with self._lock:
+                if last is None:  # never recorded: try again at the next use
                     self._recorded.pop(nid, None)
-                else:
-                    self._recorded[nid] = last
+                else:  # recorded before: try again in RETRY_S, not at every lookup
+                    self._recorded[nid] = now - self.refresh_s + min(self.RETRY_S, self.refresh_s)
             if last is None:
-                raise  # never recorded: the caller decides (a lookup then misses)
-            log.warning("lmctl: could not refresh namespace %s in the store; retrying at its next use",
-                        nid.hex()[:12], exc_info=True)
+                raise  # the caller decides (a lookup then misses)
+            log.warning("lmctl: could not record namespace %s in the store again; retrying in %.0f s",
+                        nid.hex()[:12], min(self.RETRY_S, self.refresh_s), exc_info=True)
         return ns
 
 
@@ -116,13 +117,15 @@ class KVCacheClient:
                  tokenizer: str | None = None, model_fingerprint: str | None = None,
                  model_path: str | os.PathLike[str] | None = None, quantization: str | None = None,
                  save_buffers: int = 8, config: StoreConfig | None = None) -> None:
-        """``model_fingerprint``: a string that changes when the weights change, used as
-        is; or ``"auto"`` (the default when ``model_path`` is given) to compute it from the
-        checkpoint in ``model_path`` (see ``engine_hook.fingerprint``); or None (with no
-        ``model_path``): no fingerprint."""
+        """``model_fingerprint``: ``"auto"`` (the default when ``model_path`` is given)
+        computes it from the checkpoint in ``model_path`` (see ``engine_hook.fingerprint``;
+        ``quantization`` and the KV format's dtype are part of it); ``"off"`` or None
+        without ``model_path``: no fingerprint; any other string is used as is."""
         self.kv_format = kv_format
         self.fingerprint: ModelFingerprint | None = None
-        if model_fingerprint == "auto" or (model_fingerprint is None and model_path is not None):
+        if model_fingerprint == "off":
+            model_fingerprint = None
+        elif model_fingerprint == "auto" or (model_fingerprint is None and model_path is not None):
             if model_path is None:
                 raise StoreError("model_fingerprint='auto' needs model_path (the checkpoint's folder)")
             self.fingerprint = fingerprint.model_fingerprint(os.fspath(model_path), None, quantization, kv_format.dtype)

@@ -452,7 +452,10 @@ def test_namespace_book_survives_a_failed_refresh(store: Store, monkeypatch: pyt
     now[0] = 400.0
     assert book.get(FMT, None, None) == ns  # a refresh that fails costs nothing but a log line
     assert fails[0] == 1
-    assert book.get(FMT, None, None) == ns and fails[0] == 2  # and is tried again at the next use
+    now[0] = 429.0
+    assert book.get(FMT, None, None) == ns and fails[0] == 1  # not retried at every lookup
+    now[0] = 431.0
+    assert book.get(FMT, None, None) == ns and fails[0] == 2  # but 30 s later
     with pytest.raises(StoreError):  # a first record that fails is the caller's to handle
         book.get(FMT, None, "new-salt")
 
@@ -472,6 +475,11 @@ def test_client_computes_the_fingerprint_from_model_path(ckpt: Path, tmp_path: P
     c = KVCacheClient(tmp_path / "store", "m", FMT, model_fingerprint="rev-1")
     try:
         assert c.namespace().model_fingerprint == "rev-1"
+    finally:
+        c.close()
+    c = KVCacheClient(tmp_path / "store", "m", FMT, model_fingerprint="off", model_path=ckpt)
+    try:
+        assert c.namespace().model_fingerprint is None and c.fingerprint is None
     finally:
         c.close()
     with pytest.raises(StoreError, match="model_path"):
