@@ -22,11 +22,15 @@ for _k, _v in {
 
 
 class Engine:
-    """One ``vllm.LLM``, with or without the lmctl connector on ``store``."""
+    """One ``vllm.LLM``, with or without the lmctl connector on ``store``.
+
+    ``connector``: more ``kv_connector_extra_config`` settings (e.g. ``model_fingerprint``);
+    other keywords go to ``vllm.LLM`` (e.g. ``served_model_name``)."""
 
     def __init__(self, model: Path, store: Path | None, max_model_len: int = 2048, lora: bool = True,
-                 prefix_caching: bool = False, **kw: Any) -> None:
+                 prefix_caching: bool = False, connector: dict[str, Any] | None = None, **kw: Any) -> None:
         self.model = model
+        self.connector_config = dict(connector or {})
         self.lora = lora
         self.prefix_caching = prefix_caching
         self.store_path = store
@@ -42,7 +46,9 @@ class Engine:
         ktc = None
         if self.store_path is not None:
             ktc = KVTransferConfig(kv_connector="LMCtlConnector", kv_connector_module_path="engine_hook.vllm",
-                                   kv_role="kv_both", kv_connector_extra_config={"store_path": str(self.store_path)})
+                                   kv_role="kv_both",
+                                   kv_connector_extra_config={"store_path": str(self.store_path),
+                                                              **self.connector_config})
         # vLLM's own in-memory prefix cache is off by default, so that every hit comes from the store
         self.llm = LLM(str(self.model), dtype="float32", max_model_len=self.max_model_len,
                        enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=self.prefix_caching,

@@ -47,8 +47,9 @@ def _finish(tmp: Path, folder: Path) -> Path:
     return folder
 
 
-def tiny_llama(folder: str | os.PathLike[str], vocab: int = 1024) -> Path:
-    """A 4-layer Llama (hidden 256, 4 heads, 2 KV heads, head dim 64), float32."""
+def tiny_llama(folder: str | os.PathLike[str], vocab: int = 1024, seed: int = 1234) -> Path:
+    """A 4-layer Llama (hidden 256, 4 heads, 2 KV heads, head dim 64), float32. Another
+    ``seed`` gives another checkpoint of the same architecture (same config, same tokenizer)."""
     out = Path(folder)
     if _complete(out):
         return out
@@ -80,7 +81,7 @@ def tiny_llama(folder: str | os.PathLike[str], vocab: int = 1024) -> Path:
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, dtype="float32",
     )
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():

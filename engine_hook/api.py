@@ -19,9 +19,11 @@ chunks are shared with vLLM engines that use the same model id and format.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +32,12 @@ import torch
 from store import AdapterIdentity, KVFormat, Namespace, Store, StoreConfig, StoreError, open_shared, release_shared
 from store.tensors import to_dtype
 
+from . import fingerprint
+from .fingerprint import ModelFingerprint
 from .identity import AdapterCache
 from .transfer import ChunkWriter, StagingPool, chunk_layout, chunk_tensor
+
+log = logging.getLogger("lmctl.engine_hook")
 
 
 @dataclass
@@ -44,33 +50,63 @@ class LoadedPrefix:
 
 
 class NamespaceBook:
-    """Builds namespaces and records each one in the store once per process, with the
-    facts an operator needs to turn a document into keys later (model id, tokenizer)."""
+    """Builds namespaces and records each one in the store, with the facts an operator
+    needs to turn a document into keys later (model id, tokenizer, model fingerprint).
+
+    A namespace is recorded at its first use in this process, and again at its first
+    use after ``refresh_s`` seconds, so that the store learns which namespaces (which
+    model fingerprints) engines still use. The check costs a dict lookup per ``get``."""
+
+    REFRESH_S = 300.0
+    RETRY_S = 30.0
 
     def __init__(self, store: Store, model: str, info: dict[str, Any],
-                 model_fingerprint: str | None = None) -> None:
+                 model_fingerprint: str | None = None, *, refresh_s: float = REFRESH_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.model = model
-        self.info = info
+        self.info = dict(info)
+        if model_fingerprint is not None:
+            self.info["model_fingerprint"] = model_fingerprint
         self.model_fingerprint = model_fingerprint
-        self._seen: set[bytes] = set()
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._recorded: dict[bytes, float] = {}  # ns id -> when it was last recorded
         self._lock = threading.Lock()
 
     def get(self, kv_format: KVFormat, adapter: AdapterIdentity | None, cache_salt: str | None,
             adapter_path: str | None = None) -> Namespace:
         ns = Namespace(self.model, kv_format, adapter, cache_salt or None, self.model_fingerprint)
         nid = ns.ns_id
-        if nid not in self._seen:
-            info = dict(self.info)
-            info["model_id"] = self.model
-            if adapter is not None:
-                info["adapter"] = str(adapter)
-                if adapter_path:
-                    info["adapter_path"] = adapter_path
-            if not self.store.readonly:
-                self.store.register_namespace(ns, info)
+        now = self.clock()
+        last = self._recorded.get(nid)
+        if last is not None and now - last < self.refresh_s:
+            return ns
+        with self._lock:  # one caller records; the others go on with the namespace
+            last = self._recorded.get(nid)
+            if last is not None and now - last < self.refresh_s:
+                return ns
+            self._recorded[nid] = now
+        info = dict(self.info)
+        info["model_id"] = self.model
+        if adapter is not None:
+            info["adapter"] = str(adapter)
+            if adapter_path:
+                info["adapter_path"] = adapter_path
+        if self.store.readonly:
+            return ns
+        try:
+            self.store.register_namespace(ns, info)
+        except Exception:
             with self._lock:
-                self._seen.add(nid)
+                if last is None:  # never recorded: try again at the next use
+                    self._recorded.pop(nid, None)
+                else:  # recorded before: try again in RETRY_S, not at every lookup
+                    self._recorded[nid] = now - self.refresh_s + min(self.RETRY_S, self.refresh_s)
+            if last is None:
+                raise  # the caller decides (a lookup then misses)
+            log.warning("lmctl: could not record namespace %s in the store again; retrying in %.0f s",
+                        nid.hex()[:12], min(self.RETRY_S, self.refresh_s), exc_info=True)
         return ns
 
 
@@ -79,13 +115,28 @@ class KVCacheClient:
 
     def __init__(self, store_path: str | os.PathLike[str], model: str, kv_format: KVFormat, *,
                  tokenizer: str | None = None, model_fingerprint: str | None = None,
+                 model_path: str | os.PathLike[str] | None = None, quantization: str | None = None,
                  save_buffers: int = 8, config: StoreConfig | None = None) -> None:
+        """``model_fingerprint``: ``"auto"`` (the default when ``model_path`` is given)
+        computes it from the checkpoint in ``model_path`` (see ``engine_hook.fingerprint``;
+        ``quantization`` and the KV format's dtype are part of it); ``"off"`` or None
+        without ``model_path``: no fingerprint; any other string is used as is."""
         self.kv_format = kv_format
+        self.fingerprint: ModelFingerprint | None = None
+        if model_fingerprint == "off":
+            model_fingerprint = None
+        elif model_fingerprint == "auto" or (model_fingerprint is None and model_path is not None):
+            if model_path is None:
+                raise StoreError("model_fingerprint='auto' needs model_path (the checkpoint's folder)")
+            self.fingerprint = fingerprint.model_fingerprint(os.fspath(model_path), None, quantization, kv_format.dtype)
+            model_fingerprint = self.fingerprint.digest
         self.store = open_shared(store_path, config)
         self.adapters = AdapterCache()
         info: dict[str, Any] = {"engine": "engine_hook.api"}
         if tokenizer:
             info["tokenizer"] = tokenizer
+        if model_path is not None:
+            info["model_path"] = os.fspath(model_path)
         self.book = NamespaceBook(self.store, model, info, model_fingerprint)
         self.pool = StagingPool(kv_format.chunk_bytes, max(1, save_buffers) + 1)
         self.writer = ChunkWriter(self.store, self.pool)

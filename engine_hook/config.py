@@ -25,7 +25,7 @@ class ConnectorSettings:
     capacity: int | None = None
     save_queue: int = 16
     model_id: str | None = None
-    model_fingerprint: str | None = None
+    model_fingerprint: str = "auto"
     on_load_error: str = "recompute"
     kv_layout: str | None = None
 
@@ -52,15 +52,25 @@ class ConnectorSettings:
         policy = str(extra.get("on_load_error", "recompute"))
         if policy not in ("recompute", "fail"):
             raise StoreError("on_load_error must be 'recompute' or 'fail'")
+        fp = extra.get("model_fingerprint", "auto")
+        fp = "auto" if fp is None else str(fp).strip()
+        if not fp:
+            raise StoreError("model_fingerprint must be 'auto' (the default), 'off' or a non-empty string")
+        if fp.lower() in ("auto", "off"):
+            fp = fp.lower()
         layout = extra.get("kv_layout")
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
         return cls(
             store_path=str(extra["store_path"]), chunk_size=chunk, codec=None if codec is None else str(codec),
             capacity=None if cap is None else parse_size(cap), save_queue=queue,
-            model_id=extra.get("model_id") or None, model_fingerprint=extra.get("model_fingerprint") or None,
+            model_id=extra.get("model_id") or None, model_fingerprint=fp,
             on_load_error=policy, kv_layout=layout,
         )
+
+    def fingerprint_mode(self) -> str:
+        """``auto`` (computed from the weights), ``off`` (none) or ``explicit``."""
+        return self.model_fingerprint if self.model_fingerprint in ("auto", "off") else "explicit"
 
     def apply(self, store: Store) -> None:
         """Apply ``codec`` and ``capacity`` (of the store's default tier) if they were given."""

@@ -36,6 +36,7 @@ from store.tensors import dtype_name
 
 from .api import NamespaceBook
 from .config import ConnectorSettings
+from .fingerprint import ModelFingerprint, id_fingerprint, model_fingerprint
 from .identity import AdapterCache, RecentKeys
 from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_tensor
 
@@ -124,6 +125,28 @@ def _served_name(vllm_config: VllmConfig) -> str:
     return str(name or vllm_config.model_config.model)
 
 
+def fingerprint_for(vllm_config: VllmConfig, setting: str) -> tuple[str | None, ModelFingerprint | None]:
+    """The model fingerprint for the connector setting ``model_fingerprint``: None for
+    ``off``, the string itself for an explicit one, else computed from the checkpoint
+    (the same on the scheduler and on every worker: same files, same inputs)."""
+    if setting == "off":
+        return None, None
+    if setting != "auto":
+        return setting, None
+    mc = vllm_config.model_config
+    model = str(mc.model)
+    revision = getattr(mc, "revision", None)
+    quant = getattr(mc, "quantization", None)
+    kv_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    try:
+        fp = model_fingerprint(model, revision, None if quant is None else str(quant), kv_dtype)
+    except Exception as exc:  # never serve without a fingerprint because of a bug here
+        log.warning("lmctl: computing the model fingerprint failed (%s); using a digest of the model id instead",
+                    exc, exc_info=True)
+        fp = id_fingerprint(model, revision, None if quant is None else str(quant), kv_dtype, str(exc))
+    return fp.digest, fp
+
+
 class LMCtlConnector(KVConnectorBase_V1):
     """vLLM v1 connector over an lmctl store (``engine_hook.vllm.LMCtlConnector``)."""
 
@@ -163,7 +186,9 @@ class LMCtlConnector(KVConnectorBase_V1):
             "model_path": str(mc.model),
             "block_size": self.block_size,
         }
-        self.book = NamespaceBook(self.store, self.model_id, info, s.model_fingerprint)
+        self.model_fingerprint, self.fingerprint = fingerprint_for(vllm_config, s.model_fingerprint)
+        info["fingerprint_source"] = self.fingerprint.source if self.fingerprint else s.fingerprint_mode()
+        self.book = NamespaceBook(self.store, self.model_id, info, self.model_fingerprint)
         self.adapters = AdapterCache()
         self._layout = chunk_layout(self.kv_format)
         # Record the base model's namespace now, so that operators can look up, pin and
@@ -189,8 +214,19 @@ class LMCtlConnector(KVConnectorBase_V1):
         self.load_failures = 0
         self.load_s = 0.0
         _LIVE.add(self)
-        log.info("lmctl connector (%s) on store %s, model %r, format %s",
-                 role.name.lower(), self.store.path, self.model_id, self.kv_format)
+        log.info("lmctl connector (%s) on store %s, model %r, format %s, model fingerprint %s",
+                 role.name.lower(), self.store.path, self.model_id, self.kv_format, self._fingerprint_note())
+
+    def _fingerprint_note(self) -> str:
+        fp = self.fingerprint
+        if self.model_fingerprint is None:
+            return "off"
+        if fp is None:
+            return f"{self.model_fingerprint[:12]} (explicit)"
+        if fp.source != "files":
+            return f"{fp.short} (model id only: weights not readable)"
+        how = "cached" if fp.cached else f"{fp.bytes_read / 2**10:.0f} KiB read in {fp.seconds * 1e3:.0f} ms"
+        return f"{fp.short} ({fp.files} files, {how})"
 
     # ======================= scheduler side =======================
     def _namespace(self, request: Request, kv_format: KVFormat) -> Namespace:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT, env_with_path, flip_byte
@@ -48,6 +49,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tiny_llama(cache / "tiny-llama-v2")
     return {
         "base": base,
+        "base2": tiny_llama(cache / "tiny-llama-v2-seed7", seed=7),  # a new checkpoint, same architecture
         "A": make_lora(base, cache / "lora-a", seed=1),
         "B": make_lora(base, cache / "lora-b", seed=2),
         "A2": make_lora(base, cache / "lora-a-v2", seed=3),
@@ -210,6 +212,11 @@ def test_namespace_records_model_and_tokenizer(engine: Engine) -> None:
     docs = list(engine.store.namespaces().values())
     base = str(engine.models["base"])
     assert docs and all(d["info"]["model_id"] == base and d["info"]["tokenizer"] == base for d in docs)
+    # the model fingerprint (computed from the weights by default): the same on both sides
+    fps = {c.model_fingerprint for c in live_connectors()}
+    assert len(fps) == 1 and len(fp := fps.pop() or "") == 32
+    assert all(d["namespace"]["model_fingerprint"] == d["info"]["model_fingerprint"] == fp for d in docs)
+    assert all(d["info"]["fingerprint_source"] == "files" for d in docs)
     kv = docs[0]["namespace"]["kv_format"]
     assert (kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["chunk_size"]) == \
         (4, 2, 64, "float32", 256)
@@ -279,6 +286,51 @@ def test_store_fills_in_beyond_vllms_own_prefix_cache(engine: Engine, reference:
     assert sched.hit_tokens - hits == 512 - 128  # vLLM had block 0; the store gave the rest
     assert list(out.outputs[0].token_ids) == reference[("P", "A")]
     assert engine.connector().loaded_chunks - before == 2  # chunk 0 only in part (its block 1)
+
+
+def test_a_new_checkpoint_under_the_same_name_never_meets_the_old_chunks(engine: Engine, reference: dict) -> None:
+    """A retrained checkpoint (same architecture, config and tokenizer; other weights)
+    deployed under the same served model name on the same store: by default its
+    fingerprint differs, so it misses the old checkpoint's chunks and computes its own
+    output. With model_fingerprint=off it loads the old checkpoint's KV (the poisoning
+    that the default prevents)."""
+    name = str(engine.models["base"])  # the served name of the module's engine (first checkpoint)
+    new = engine.models["base2"]
+    store = engine.store_path
+    assert store is not None
+    old_fp = engine.connector().model_fingerprint
+    assert engine.run(S)[0] == reference[("S", None)]  # the old checkpoint's chunks of S are stored
+    engine.close()
+
+    recorded: set[str | None] = set()
+
+    def run(model: Path, **kw: Any) -> tuple[list[int], int, str | None]:
+        eng = BaseEngine(model, kw.pop("store", store), lora=False, served_model_name=name, **kw)
+        try:
+            out = eng.generate(S, None, MAX_TOKENS)
+            conns = live_connectors()
+            fps = {c.model_fingerprint for c in conns}
+            assert len(fps) <= 1  # the scheduler's and the worker's agree
+            for c in conns[:1]:
+                recorded.update(d["namespace"]["model_fingerprint"] for d in c.store.namespaces().values()
+                                if d["info"]["model_id"] == name)
+            return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), fps.pop() if fps else None
+        finally:
+            eng.close()
+
+    want, cached, _ = run(new, store=None)  # the new checkpoint without any cache
+    assert cached == 0 and want != reference[("S", None)]  # really another model
+
+    out, cached, new_fp = run(new)
+    assert cached == 0 and out == want
+    assert new_fp is not None and new_fp != old_fp
+    assert {old_fp, new_fp} <= recorded  # both recorded under the one model id
+
+    # the same two checkpoints with the fingerprint off: the new one hits the old one's chunks
+    out, cached, off_fp = run(engine.models["base"], connector={"model_fingerprint": "off"})
+    assert off_fp is None and cached == 0 and out == reference[("S", None)]
+    _out, cached, _ = run(new, connector={"model_fingerprint": "off"})
+    assert cached > 0
 
 
 def test_warm_prefills_a_document_through_vllm_serve(models: dict[str, Path], tmp_path: Path) -> None:
