@@ -156,7 +156,10 @@ def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace]
     salt = _arg(args, "salt", str)
     formats: dict[str, Namespace] = {}
     info: dict[str, Any] = {}
-    for r in sorted(mine, key=lambda x: -x.updated):
+    # a retired fingerprint (an old checkpoint nobody serves any more) gets no new keys
+    retired = store.retired_namespaces()
+    live = [r for r in mine if r.nid not in retired] or mine
+    for r in sorted(live, key=lambda x: -x.updated):
         cand = Namespace(r.ns.model, r.ns.kv_format, adapter, salt or None, r.ns.model_fingerprint)
         k = json.dumps(cand.kv_format.__dict__, sort_keys=True) + str(r.ns.model_fingerprint)
         if k not in formats:
