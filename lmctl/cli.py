@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -307,7 +307,11 @@ def serve(
     store: Annotated[str, typer.Option(envvar="LMCTL_STORE", help="store folder (created if missing)")],
     socket_path: Annotated[str | None, typer.Option(
         "--socket", envvar="LMCTL_SOCKET", help="socket path [default: STORE/lmctl.sock]")] = None,
-    allow_uid: Annotated[list[int] | None, typer.Option(help="also accept clients of this uid; repeatable")] = None,
+    allow_uid: Annotated[list[int] | None, typer.Option(
+        help="also accept clients of this uid; repeatable (the socket must be reachable: see --socket-mode)")] = None,
+    socket_mode: Annotated[str, typer.Option(
+        help="the socket's mode, octal; 0660 with --socket-group shares it with a group")] = "0600",
+    socket_group: Annotated[str | None, typer.Option(help="the socket's group: a group name or gid")] = None,
     maintenance_interval: Annotated[float, typer.Option(help="seconds between background evict/compact runs")] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error")] = "info",
 ) -> None:
@@ -318,9 +322,28 @@ def serve(
 
     from .daemon import AlreadyServing, Daemon
 
+    def usage(message: str) -> NoReturn:
+        print(f"lmctl: {message}", file=sys.stderr)
+        raise typer.Exit(int(Exit.USAGE))
+
+    try:
+        mode = int(socket_mode.removeprefix("0o"), 8)
+    except ValueError:
+        usage(f"--socket-mode {socket_mode!r} is not an octal mode such as 0600 or 0660")
+    if mode & ~0o666 or mode & 0o600 != 0o600:
+        usage(f"--socket-mode {socket_mode} must give the owner read and write and nobody execute "
+              "(0600, 0620, 0660, 0666)")
+    gid = None
+    if socket_group is not None:
+        import grp
+
+        try:
+            gid = int(socket_group) if socket_group.isdigit() else grp.getgrnam(socket_group).gr_gid
+        except KeyError:
+            usage(f"--socket-group: no group named {socket_group!r}")
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
-    d = Daemon(store, socket_path, allow_uid or (), maintenance_interval)
+    d = Daemon(store, socket_path, allow_uid or (), maintenance_interval, socket_mode=mode, socket_group=gid)
     try:
         code = d.serve()
     except AlreadyServing as exc:

@@ -14,7 +14,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from store import AdapterIdentity, ChunkInfo, Namespace, Store, StoreError, adapter_digest, parse_key
+from store import (
+    AdapterIdentity,
+    ChunkInfo,
+    Namespace,
+    NamespaceRecord,
+    Store,
+    StoreError,
+    adapter_digest,
+    parse_key,
+)
 
 Progress = Callable[[int, int, str], None]
 
@@ -45,18 +54,13 @@ class Selection:
     token_ids: list[int] | None = None   # the document's tokens (None without a document)
 
 
-def _namespaces(store: Store) -> list[tuple[Namespace, dict[str, Any]]]:
-    out = []
-    for doc in store.namespaces().values():
-        try:
-            ns = Namespace.from_json(json.dumps(doc["namespace"]))
-        except Exception:
-            continue
-        out.append((ns, doc))
-    return out
+def _namespaces(store: Store) -> list[tuple[NamespaceRecord, dict[str, Any]]]:
+    """The recorded namespaces. A record keeps only a keyed digest of its salt, so it names
+    its chunks' prefix (``ns_id``) but computes keys only given the salt."""
+    return list(store.namespace_records().values())
 
 
-def _resolve_adapter(spec: str, recorded: list[tuple[Namespace, dict[str, Any]]]) -> AdapterIdentity:
+def _resolve_adapter(spec: str, recorded: list[tuple[NamespaceRecord, dict[str, Any]]]) -> AdapterIdentity:
     if "@" in spec and os.path.sep not in spec:
         return AdapterIdentity.parse(spec)
     if os.path.isdir(spec):
@@ -78,13 +82,14 @@ def _resolve_adapter(spec: str, recorded: list[tuple[Namespace, dict[str, Any]]]
     return best[1]
 
 
-def _model_matches(ns: Namespace, doc: dict[str, Any], model: str | None) -> bool:
+def _model_matches(ns: NamespaceRecord, doc: dict[str, Any], model: str | None) -> bool:
     return model is None or ns.model == model or doc.get("info", {}).get("model_id") == model
 
 
 def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace], dict[str, Any]]:
     """Namespaces a document's keys are computed in: one per KV format recorded for the
-    model (tensor-parallel ranks), with the requested adapter and salt."""
+    model (tensor-parallel ranks), with the requested adapter and the operator's salt
+    (records keep only its digest)."""
     recorded = _namespaces(store)
     model = _arg(args, "model", str)
     if model is None:
@@ -104,7 +109,7 @@ def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace]
     formats: dict[str, Namespace] = {}
     info: dict[str, Any] = {}
     for ns, doc in sorted(mine, key=lambda x: -float(x[1].get("updated", 0))):
-        cand = Namespace(ns.model, ns.kv_format, adapter, salt, ns.model_fingerprint)
+        cand = Namespace(ns.model, ns.kv_format, adapter, salt or None, ns.model_fingerprint)
         k = json.dumps(cand.kv_format.__dict__, sort_keys=True) + str(ns.model_fingerprint)
         if k not in formats:
             formats[k] = cand
@@ -211,9 +216,12 @@ def _filter(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Ite
 
 
 # -- operations ---------------------------------------------------------------------------
-def _ns_json(ns: Namespace) -> dict[str, Any]:
+def _ns_json(store: Store, ns: Namespace) -> dict[str, Any]:
+    """A namespace for output: whether it is salted and the salt's keyed digest (as the
+    store's records keep it), never the salt."""
     return {"model": ns.model, "adapter": None if ns.adapter is None else str(ns.adapter),
-            "cache_salt": ns.cache_salt, "tp_rank": ns.kv_format.tp_rank, "chunk_size": ns.kv_format.chunk_size}
+            "salted": ns.cache_salt is not None, "salt_digest": store.salt_digest(ns.cache_salt),
+            "tp_rank": ns.kv_format.tp_rank, "chunk_size": ns.kv_format.chunk_size}
 
 
 def op_lookup(store: Store, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -234,7 +242,7 @@ def op_lookup(store: Store, args: dict[str, Any], progress: Progress) -> dict[st
         "total_tokens": found.total_tokens, "hit_tokens": found.hit_tokens, "hit_chunks": found.hit_chunks,
         "chunk_size": found.chunk_size,
         "first_miss": found.hit_tokens if found.hit_tokens < found.total_tokens else None,
-        "tiers": per_tier, "namespace": _ns_json(ns),
+        "tiers": per_tier, "namespace": _ns_json(store, ns),
         "chunks": [{"index": i, "key": k.hex(), "tier": t}
                    for i, (k, t) in enumerate(zip(found.keys, found.tiers, strict=True))],
     }
