@@ -396,7 +396,11 @@ def serve(
     config: Annotated[str | None, typer.Option(help="TOML config file ([daemon], [store], [tiers.NAME])")] = None,
     socket_path: Annotated[str | None, typer.Option(
         "--socket", help="socket path [default: STORE/lmctl.sock]")] = None,
-    allow_uid: Annotated[list[int] | None, typer.Option(help="also accept clients of this uid; repeatable")] = None,
+    allow_uid: Annotated[list[int] | None, typer.Option(
+        help="also accept clients of this uid; repeatable (the socket must be reachable: see --socket-mode)")] = None,
+    socket_mode: Annotated[str | None, typer.Option(
+        help="the socket's mode, octal; 0660 with --socket-group shares it with a group [default: 0600]")] = None,
+    socket_group: Annotated[str | None, typer.Option(help="the socket's group: a group name or gid")] = None,
     maintenance_interval: Annotated[float | None, typer.Option(
         help="seconds between background evict/compact runs [default: 30]")] = None,
     capacity: Annotated[list[str] | None, typer.Option(
@@ -437,10 +441,13 @@ def serve(
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
             raise CommandError("usage", f"--maintenance-interval must be a positive number of seconds, not {interval}")
         uids = list(allow_uid or daemon.get("allow_uid") or [])
+        mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
+                                  socket_group or daemon.get("socket_group"))
         logging.basicConfig(stream=sys.stderr, level=getattr(logging, level),
                             format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
         try:
-            d = Daemon(store_dir, sock, uids, float(interval), init=init, settings=changes)
+            d = Daemon(store_dir, sock, uids, float(interval), socket_mode=mode, socket_group=gid, init=init,
+                       settings=changes)
             code = d.serve()
         except UsageError as exc:
             raise CommandError("usage", str(exc)) from None
@@ -449,6 +456,28 @@ def serve(
         raise typer.Exit(code)
 
     run(term, body)
+
+
+def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tuple[int, int | None]:
+    """``--socket-mode`` and ``--socket-group`` checked: (mode, gid or None)."""
+    text = str(socket_mode)
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise CommandError("usage", f"--socket-mode {text!r} is not an octal mode such as 0600 or 0660") from None
+    if mode & ~0o666 or mode & 0o600 != 0o600:
+        raise CommandError("usage", f"--socket-mode {text} must give the owner read and write and nobody execute "
+                                    "(0600, 0620, 0660, 0666)")
+    gid = None
+    if socket_group is not None:
+        import grp
+
+        group = str(socket_group)
+        try:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise CommandError("usage", f"--socket-group: no group named {group!r}") from None
+    return mode, gid
 
 
 @app.command()
@@ -605,6 +634,14 @@ def inspect_(ctx: typer.Context, key: Annotated[str | None, typer.Option(
             c = _console()
             c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
             _tiers(r["tiers"])
+            if r["models"]:
+                import time as _time
+
+                _table("models (one row per checkpoint fingerprint)",
+                       ["model", "fingerprint", "last used", "chunks", "bytes"],
+                       [[m["model"], (m["fingerprint"] or "-")[:12] + (" (retired)" if m["retired"] else ""),
+                         _time.strftime("%Y-%m-%d %H:%M", _time.localtime(m["last_used"])) if m["last_used"] else "-",
+                         str(m["chunks"]), human(m["bytes"])] for m in r["models"]], {"chunks", "bytes"})
             if r["adapters"]:
                 _table("by model and adapter", ["model", "adapter", "chunks", "bytes"],
                        [[a["model"], a["adapter"] or "(base)", str(a["chunks"]), human(a["bytes"])]

@@ -3,7 +3,9 @@
 One thread per client connection over one shared ``Store`` (thread-safe); a maintenance
 thread that keeps tiers under their high watermark and compacts dead space; clean exit on
 SIGTERM/SIGINT. The socket is mode 0600 and peers of another uid are refused (peer
-credentials), unless allowed with ``--allow-uid``.
+credentials), unless allowed with ``--allow-uid``; such a uid must also be able to reach
+the socket (``--socket`` outside the private store folder, ``--socket-mode``,
+``--socket-group``), which ``serve`` checks before it starts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import fcntl
 import itertools
 import logging
 import os
+import pwd
 import select
 import signal
 import socket
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store import Store, StoreError
+from store.private import make_private_dir
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
@@ -128,9 +132,12 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(uid)
 
 
-def bind_socket(path: str) -> socket.socket:
+def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.socket:
     """Bind the daemon's socket. A stale socket (no one listening) is replaced; a live one
-    (another daemon) is never taken over; anything that is not a socket is left alone."""
+    (another daemon) is never taken over; anything that is not a socket is left alone.
+
+    The socket ends up with ``mode`` and group ``gid``, and is never more open than that:
+    it is born with the owner's bits only, given its group, and only then opened to it."""
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
@@ -150,23 +157,106 @@ def bind_socket(path: str) -> socket.socket:
             probe.close()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+    old = os.umask(0o777 & ~(mode & 0o700))  # born with the owner's bits only: no one else connects
     try:
         sock.bind(path)
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    try:
+        if gid is not None:
+            os.chown(path, -1, gid, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as exc:
+        sock.close()
+        os.unlink(path)
+        raise StoreError(f"cannot give the socket {path} group {gid} and mode {mode:04o}: {exc.strerror} "
+                         "(the daemon's user must be a member of --socket-group)") from None
     sock.listen(64)
     return sock
 
 
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _groups_of(uid: int) -> set[int] | None:
+    """The gids of a user (primary and supplementary), or None for a uid with no passwd entry."""
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return None
+    return {pw.pw_gid, *os.getgrouplist(pw.pw_name, pw.pw_gid)}
+
+
+def _grants(st_uid: int, st_gid: int, mode: int, uid: int, groups: set[int] | None, bit: int) -> bool:
+    """Whether permission ``bit`` (4 r, 2 w, 1 x) reaches ``uid`` through ``mode``. For a uid
+    with unknown groups, any group or other bit counts (it may be in the group)."""
+    if uid == 0:
+        return True
+    if uid == st_uid:
+        return bool(mode & (bit << 6))
+    if groups is None:
+        return bool(mode & ((bit << 3) | bit))
+    if st_gid in groups:
+        return bool(mode & (bit << 3))
+    return bool(mode & bit)
+
+
+def socket_access_problem(socket_path: str, store_dir: str, mode: int, gid: int | None,
+                          uids: Iterable[int]) -> str | None:
+    """Why an allowed uid could not connect to the socket (file modes), or None if all can.
+
+    Connecting needs write permission on the socket and search permission on every folder
+    above it. The store folder is always private (0700), so a socket inside it reaches no
+    one else. Folders that do not exist yet are not judged."""
+    others = sorted({u for u in uids if u != os.geteuid()})
+    if not others:
+        return None
+    if _inside(os.path.dirname(os.path.abspath(socket_path)), store_dir):
+        return (f"uid {others[0]} cannot reach the socket {socket_path}: it is inside the store folder, "
+                "which is private (0700)")
+    if not mode & 0o022:
+        return (f"uid {others[0]} cannot connect to the socket {socket_path}: mode {mode:04o} lets no other "
+                "user connect (connecting needs write permission)")
+    sock_gid = gid if gid is not None else os.getegid()
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    if os.path.isdir(folder) and os.stat(folder).st_mode & stat.S_ISGID and gid is None:
+        sock_gid = os.stat(folder).st_gid  # a setgid folder hands its group to the socket
+    for uid in others:
+        groups = _groups_of(uid)
+        if not _grants(os.geteuid(), sock_gid, mode, uid, groups, 2):
+            return (f"uid {uid} cannot connect to the socket {socket_path}: mode {mode:04o} with group "
+                    f"{sock_gid} gives it no write permission")
+        d = folder
+        while True:
+            try:
+                st = os.stat(d)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not _grants(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), uid, groups, 1):
+                return (f"uid {uid} cannot reach the socket {socket_path}: the folder {d} (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid}, group {st.st_gid}) keeps it out")
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+    return None
+
+
+class SocketUnreachable(StoreError):
+    """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
+
+
 class Daemon:
     def __init__(self, store_dir: str, socket_path: str | None = None, allow_uids: Iterable[int] = (),
-                 maintenance_s: float = 30.0, *, init: bool = True,
-                 settings: dict[str, Any] | None = None) -> None:
+                 maintenance_s: float = 30.0, socket_mode: int = 0o600, socket_group: int | None = None, *,
+                 init: bool = True, settings: dict[str, Any] | None = None) -> None:
         self.store_dir = os.path.abspath(store_dir)
         self.socket_path = os.path.abspath(socket_path or os.path.join(self.store_dir, "lmctl.sock"))
         self.allow = {os.getuid(), *allow_uids}
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
         if not maintenance_s > 0:
             raise UsageError(f"--maintenance-interval must be a positive number of seconds, not {maintenance_s}")
         self.maintenance_s = maintenance_s
@@ -181,8 +271,14 @@ class Daemon:
 
     def _take_lock(self) -> None:
         """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
-        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        folder = os.path.dirname(self.socket_path)
+        if _inside(folder, self.store_dir):
+            make_private_dir(self.store_dir)  # as the store makes it: 0700 whatever the umask
+        os.makedirs(folder, exist_ok=True)
         fd = os.open(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -248,16 +344,32 @@ class Daemon:
     def stop(self, *_: Any) -> None:
         self._stop.set()
 
+    def _check_access(self) -> None:
+        problem = socket_access_problem(self.socket_path, self.store_dir, self.socket_mode, self.socket_group,
+                                        self.allow)
+        if problem is not None:
+            raise SocketUnreachable(
+                f"--allow-uid: {problem}; pass e.g. --socket /run/lmctl/lmctl.sock --socket-mode 0660 "
+                "--socket-group lmctl (a folder that user can pass through, a group it is in)")
+
     def serve(self) -> int:
+        self._check_access()  # before anything is created
         self._check_store()
         try:
             self._take_lock()
         except OSError as exc:
             raise StoreError(f"cannot use the socket folder for {self.socket_path}: {exc.strerror}") from None
+        try:
+            self._check_access()  # now that the socket's folder exists
+        except SocketUnreachable:
+            if self._lockfd is not None:
+                os.close(self._lockfd)
+                self._lockfd = None
+            raise
         store = self._open_store()
         self.state = DaemonState(store, self.socket_path)
         try:
-            listener = bind_socket(self.socket_path)
+            listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)
         except BaseException:
             store.close()
             raise
@@ -344,6 +456,7 @@ class Daemon:
                 log.warning("refused a client of uid %d (allowed: %s)", uid, sorted(self.allow))
                 self._send(conn, {"id": None, "ok": False, "error": {
                     "code": "denied", "message": f"uid {uid} may not use this daemon (peer credentials)"}})
+                self._linger(conn)
                 return
             with st.lock:
                 st.clients += 1
@@ -368,6 +481,21 @@ class Daemon:
                     self._busy.pop(conn, None)
                 with st.lock:
                     st.clients -= 1
+
+    @staticmethod
+    def _linger(conn: socket.socket, limit_s: float = 1.0) -> None:
+        """Before closing a refused connection, take in (and drop) what the client sends for a
+        moment: closing at once could fail its request with EPIPE/ECONNRESET before it reads
+        the reply that says why."""
+        end = time.monotonic() + limit_s
+        try:
+            conn.shutdown(socket.SHUT_WR)
+            while (left := end - time.monotonic()) > 0:
+                conn.settimeout(left)
+                if not conn.recv(65536):
+                    return
+        except OSError:
+            return
 
     def _send(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         try:

@@ -61,12 +61,13 @@ class Selection:
 class Recorded:
     """A namespace as the engine hook recorded it. ``nid`` is the record's key (the chunk
     key prefix); ``ns`` is its namespace without the cache salt, which the store never
-    keeps (``salted`` says whether it had one)."""
+    keeps (``salted`` says whether it had one; ``salt_digest`` is the salt's keyed digest)."""
 
     nid: bytes
     ns: Namespace
     doc: dict[str, Any]
     salted: bool
+    salt_digest: str | None = None
 
     @property
     def updated(self) -> float:
@@ -74,16 +75,10 @@ class Recorded:
 
 
 def _namespaces(store: Store) -> list[Recorded]:
-    out = []
-    for nid, doc in store.namespaces().items():
-        nsd = dict(doc.get("namespace") or {})
-        salted = nsd.pop("cache_salt", None) is not None or nsd.pop("salt_digest", None) is not None
-        try:
-            ns = Namespace.from_json(json.dumps(nsd))
-        except Exception:
-            continue
-        out.append(Recorded(nid, ns, doc, salted))
-    return out
+    """The recorded namespaces. A record keeps only a keyed digest of its salt, so it names
+    its chunks' prefix (``nid``) but computes keys only given the salt."""
+    return [Recorded(nid, rec.namespace(None), doc, rec.salted, rec.salt_digest)
+            for nid, (rec, doc) in store.namespace_records().items()]
 
 
 def _is_path(spec: str) -> bool:
@@ -286,11 +281,14 @@ def _filter(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Ite
 
 
 # -- operations ---------------------------------------------------------------------------
-def _ns_json(ns: Namespace, salted: bool | None = None) -> dict[str, Any]:
+def _ns_json(store: Store, ns: Namespace, rec: Recorded | None = None) -> dict[str, Any]:
+    """A namespace for output: whether it is salted and the salt's keyed digest (as the
+    store's records keep it), never the salt."""
+    salted = ns.cache_salt is not None if rec is None else rec.salted
+    digest = store.salt_digest(ns.cache_salt) if rec is None else rec.salt_digest
     return {"model": ns.model, "adapter": None if ns.adapter is None else str(ns.adapter),
-            "salted": ns.cache_salt is not None if salted is None else salted,
-            "model_fingerprint": ns.model_fingerprint, "tp_rank": ns.kv_format.tp_rank,
-            "chunk_size": ns.kv_format.chunk_size}
+            "salted": salted, "salt_digest": digest, "model_fingerprint": ns.model_fingerprint,
+            "tp_rank": ns.kv_format.tp_rank, "chunk_size": ns.kv_format.chunk_size}
 
 
 def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -301,14 +299,14 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         found = store.lookup(ns, sel.token_ids)
         keys, tiers, total = found.keys, found.tiers, found.total_tokens
         size: int | None = found.chunk_size
-        namespace: dict[str, Any] | None = _ns_json(ns)
+        namespace: dict[str, Any] | None = _ns_json(store, ns)
     else:
         # chunks by key or filter: taken as a chain in the order given (a document's keys)
         keys = list(dict.fromkeys(sel.keys))
         tiers = store.locate(keys)
         rec = {r.nid: r for r in _namespaces(store)}
         first = rec.get(keys[0][:16]) if keys else None
-        namespace = None if first is None else _ns_json(first.ns, first.salted)
+        namespace = None if first is None else _ns_json(store, first.ns, first)
         size = first.ns.kv_format.chunk_size if first is not None else None
         if size is None:
             info = next((i for i in (store.info(k) for k in keys) if i is not None), None)

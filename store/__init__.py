@@ -10,6 +10,7 @@ from .keys import (
     AdapterIdentity,
     KVFormat,
     Namespace,
+    NamespaceRecord,
     adapter_digest,
     chunk_keys,
     parse_key,
@@ -19,7 +20,7 @@ from .store import Chunk, ChunkInfo, LookupResult, LRUPolicy, Problem, PutItem, 
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "CapacityError", "Chunk", "ChunkInfo", "GiB",
-    "KVFormat", "LRUPolicy", "LookupResult", "MiB", "Namespace", "PinBudgetError", "Problem",
+    "KVFormat", "LRUPolicy", "LookupResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem",
     "PutItem", "Store", "StoreConfig", "StoreError", "TierConfig", "adapter_digest",
     "chunk_keys", "open_shared", "parse_key", "release_shared",
 ]

@@ -25,6 +25,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import StoreError
 
@@ -190,6 +191,49 @@ class Namespace:
     def chunk_keys(self, tokens: Sequence[int] | Iterable[int]) -> list[bytes]:
         """Keys of every *full* chunk of ``tokens``, in order (a trailing partial chunk has none)."""
         return chunk_keys(self, tokens)
+
+    def record(self, salt_digest: str | None) -> dict[str, Any]:
+        """The namespace as the index records it: every field but the salt, which only its
+        keyed digest stands for (see ``Store.salt_digest``)."""
+        doc = json.loads(self._canonical)
+        del doc["cache_salt"]
+        doc["salt_digest"] = salt_digest
+        return doc  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class NamespaceRecord:
+    """A namespace as the index recorded it. Without the salt it cannot compute keys: give
+    the salt to ``namespace()`` to get the ``Namespace`` back."""
+
+    ns_id: bytes
+    model: str
+    kv_format: KVFormat
+    adapter: AdapterIdentity | None = None
+    model_fingerprint: str | None = None
+    salted: bool = False
+    salt_digest: str | None = None
+
+    @classmethod
+    def from_record(cls, ns_id: bytes, doc: dict[str, Any]) -> NamespaceRecord:
+        """Parse the ``namespace`` object of an index record (older records held the salt
+        itself under ``cache_salt``: such a record is salted, with no digest)."""
+        adapter = doc.get("adapter")
+        digest = doc.get("salt_digest")
+        return cls(
+            ns_id=bytes(ns_id),
+            model=doc["model"],
+            kv_format=KVFormat(**doc["kv_format"]),
+            adapter=None if adapter is None else AdapterIdentity(**adapter),
+            model_fingerprint=doc.get("model_fingerprint"),
+            salted=digest is not None or doc.get("cache_salt") is not None,
+            salt_digest=digest,
+        )
+
+    def namespace(self, cache_salt: str | None = None) -> Namespace:
+        """This record's namespace with ``cache_salt``; its ``ns_id`` equals this record's
+        only when the salt is the one the record was made with."""
+        return Namespace(self.model, self.kv_format, self.adapter, cache_salt, self.model_fingerprint)
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .errors import StoreError
+from .private import FILE_MODE, make_private_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -209,7 +210,7 @@ class SegmentIO:
 
     def __init__(self, directory: str, direct: bool | None = None, fd_cache: int = 64) -> None:
         self.dir = directory
-        os.makedirs(directory, exist_ok=True)
+        make_private_dir(directory)  # 0700 whatever the umask
         self.direct = supports_direct_io(directory) if direct is None else direct
         self.pool = AlignedPool()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-io")
@@ -230,7 +231,8 @@ class SegmentIO:
     # -- writing -----------------------------------------------------------------
     def create(self, seg_id: int) -> int:
         """Create segment ``seg_id`` and return its fd, locked exclusively by this process."""
-        fd = os.open(self.path(seg_id), os.O_RDWR | os.O_CREAT | os.O_EXCL | self._flags(), 0o600)
+        fd = os.open(self.path(seg_id), os.O_RDWR | os.O_CREAT | os.O_EXCL | self._flags(), FILE_MODE)
+        os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         buf = self.pool.take(ALIGN)
         try:

@@ -35,7 +35,8 @@ import lmdb
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
 from .errors import PinBudgetError, StoreError
-from .keys import DTYPE_SIZES, KEY_BYTES, Namespace
+from .keys import DTYPE_SIZES, KEY_BYTES, Namespace, NamespaceRecord
+from .private import DIR_MODE, SALT_KEY_BYTES, make_private_dir, salt_digest, tighten
 from .segment import (
     ALIGN,
     CorruptRecord,
@@ -260,9 +261,13 @@ class Store:
         self._closed = False
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):
             raise StoreError(f"no store at {self.path}; create it first (open it without readonly)")
-        os.makedirs(os.path.join(self.path, "index"), exist_ok=True)
+        if not readonly:
+            # private whatever the umask: the folder 0700, its files 0600 (SPEC section 2)
+            make_private_dir(self.path)
+            make_private_dir(os.path.join(self.path, "index"))
         self._open_env()
         self.config = self._load_config(config)
+        self._salt_key = self._load_salt_key()
         self.codec = Codec(self.config.codec_level)
         self._tiers: dict[str, _TierState] = {}
         for name in TIER_ORDER:
@@ -271,6 +276,12 @@ class Store:
                 d = cfg.path or os.path.join(self.path, name)
                 self._tiers[name] = _TierState(name, TIER_IDS[name], cfg, SegmentIO(d))
         if not readonly:
+            fixed = tighten(self.path, [st.io.dir for st in self._tiers.values()])
+            if fixed:
+                log.warning("made %d files and folders of store %s private (0700 folders, 0600 files); "
+                            "they were open to other users: %s", len(fixed), self.path,
+                            ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
+                            + (", ..." if len(fixed) > 6 else ""))
             self.recover()
             for name in self._tiers:
                 self._enforce_capacity(name, 0)
@@ -280,6 +291,7 @@ class Store:
         self._env = lmdb.open(
             os.path.join(self.path, "index"), map_size=MAP_SIZE, max_dbs=16, metasync=False,
             sync=True, readahead=False, max_readers=512, readonly=False,
+            mode=DIR_MODE,  # the index folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
         )
         self._db_meta = self._env.open_db(b"meta")
         self._db_chunks = self._env.open_db(b"chunks")
@@ -385,9 +397,50 @@ class Store:
         return _U64.unpack(raw)[0] if raw else 0
 
     # -- namespaces --------------------------------------------------------------
+    def _load_salt_key(self) -> bytes | None:
+        """The store's secret key for salt digests, made once (in the index, 0600) when the
+        store is first opened for writing. Namespace records written before salts were kept
+        as digests hold the salt itself: they are rewritten here, once."""
+        if self.readonly:
+            with self._read() as txn:
+                raw = txn.get(b"salt_key", db=self._db_meta)
+                return None if raw is None else bytes(raw)
+
+        def fn(txn: lmdb.Transaction) -> tuple[bytes, int]:
+            raw = txn.get(b"salt_key", db=self._db_meta)
+            key = os.urandom(SALT_KEY_BYTES) if raw is None else bytes(raw)
+            if raw is None:
+                txn.put(b"salt_key", key, db=self._db_meta)
+            legacy = []
+            for k, v in txn.cursor(db=self._db_ns):
+                doc = json.loads(bytes(v))
+                if "cache_salt" in doc.get("namespace", {}):
+                    legacy.append((bytes(k), doc))
+            for k, doc in legacy:
+                salt = doc["namespace"].pop("cache_salt")
+                doc["namespace"]["salt_digest"] = None if salt is None else salt_digest(key, salt)
+                txn.put(k, json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
+            return key, len(legacy)
+
+        key, migrated = self._write(fn)
+        if migrated:
+            log.warning("rewrote %d namespace records of store %s to keep keyed digests of cache salts "
+                        "instead of the salts", migrated, self.path)
+        return key
+
+    def salt_digest(self, cache_salt: str | None) -> str | None:
+        """The keyed digest that namespace records keep instead of ``cache_salt`` (None: unsalted)."""
+        if cache_salt is None:
+            return None
+        if self._salt_key is None:
+            raise StoreError(f"store {self.path} has no salt key yet; open it for writing once")
+        return salt_digest(self._salt_key, cache_salt)
+
     def register_namespace(self, ns: Namespace, info: dict[str, Any] | None = None) -> bytes:
-        """Record a namespace (and optional facts such as the tokenizer source) for operators."""
-        doc = {"namespace": json.loads(ns.to_json()), "info": info or {}, "updated": time.time()}
+        """Record a namespace (and optional facts such as the tokenizer source) for operators.
+        The record keeps a keyed digest of the cache salt, never the salt."""
+        doc: dict[str, Any] = {"namespace": ns.record(self.salt_digest(ns.cache_salt)), "info": info or {},
+               "updated": time.time()}
 
         def fn(txn: lmdb.Transaction) -> None:
             old = txn.get(ns.ns_id, db=self._db_ns)
@@ -395,7 +448,8 @@ class Store:
                 prev = json.loads(bytes(old))
                 # "updated" is also when an engine last used the namespace (engines record
                 # theirs every few minutes): eviction retires fingerprints nobody uses
-                if prev.get("info") == doc["info"] and doc["updated"] - float(prev.get("updated", 0)) < 60:
+                if (prev.get("info") == doc["info"] and prev.get("namespace") == doc["namespace"]
+                        and doc["updated"] - float(prev.get("updated", 0)) < 60):
                     return
                 doc["info"] = {**prev.get("info", {}), **doc["info"]}
             txn.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
@@ -404,8 +458,20 @@ class Store:
         return ns.ns_id
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
+        """Namespace records by ns_id: ``{"namespace": {model, kv_format, adapter,
+        model_fingerprint, salt_digest}, "info": {...}, "updated": time}``."""
         with self._read() as txn:
             return {bytes(k): json.loads(bytes(v)) for k, v in txn.cursor(db=self._db_ns)}
+
+    def namespace_records(self) -> dict[bytes, tuple[NamespaceRecord, dict[str, Any]]]:
+        """Each recorded namespace parsed, with its raw record; unreadable records are skipped."""
+        out = {}
+        for nid, doc in self.namespaces().items():
+            try:
+                out[nid] = (NamespaceRecord.from_record(nid, doc["namespace"]), doc)
+            except (KeyError, TypeError, ValueError, StoreError):
+                continue
+        return out
 
     def retired_namespaces(self, txn: lmdb.Transaction | None = None) -> set[bytes]:
         """Namespaces of a model fingerprint that has been superseded: an engine has served

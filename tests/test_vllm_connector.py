@@ -25,7 +25,7 @@ import demo.engine  # noqa: F401  (sets vLLM's environment first; vLLM is requir
 from demo.engine import Engine as BaseEngine  # noqa: E402
 from demo.models import make_lora, sample_text, tiny_llama  # noqa: E402
 from engine_hook.vllm import LMCtlConnector, live_connectors  # noqa: E402
-from store import Namespace, Store  # noqa: E402
+from store import Store  # noqa: E402
 
 VOCAB = 1024
 MAX_TOKENS = 10
@@ -186,10 +186,9 @@ def test_cache_salt_isolates_tenants(engine: Engine, reference: dict) -> None:
 
 
 def _keys_for(store: Store, tokens: list[int], adapter: bool = False, salt: str | None = None) -> list[bytes]:
-    for doc in store.namespaces().values():
-        ns = Namespace.from_json(json.dumps(doc["namespace"]))
-        if (ns.adapter is not None) == adapter and ns.cache_salt == salt:
-            return ns.chunk_keys(tokens)
+    for rec, _doc in store.namespace_records().values():
+        if (rec.adapter is not None) == adapter and rec.salt_digest == store.salt_digest(salt):
+            return rec.namespace(salt).chunk_keys(tokens)
     raise AssertionError("namespace not recorded")
 
 
