@@ -135,7 +135,12 @@ class Shell:
             if readline is not None:
                 try:
                     readline.set_history_length(1000)
-                    readline.write_history_file(HISTORY)
+                    old = os.umask(0o077)  # the history may hold --cache-salt values: owner only
+                    try:
+                        readline.write_history_file(HISTORY)
+                        os.chmod(HISTORY, 0o600)
+                    finally:
+                        os.umask(old)
                 except OSError:
                     pass
             if self.term.client is not None:

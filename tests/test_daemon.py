@@ -444,6 +444,7 @@ def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon
     finally:
         sh.close()
     assert (tmp_path / ".lmctl_history").read_text().count("inspect") == 2
+    assert (tmp_path / ".lmctl_history").stat().st_mode & 0o777 == 0o600  # it may hold cache salts
     st = cj(daemon, "status")
     assert st["daemon"]["requests"] >= 5
 
