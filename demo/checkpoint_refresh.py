@@ -1,8 +1,9 @@
 """A checkpoint refresh under the same served model name, on a real model.
 
 SmolLM2-135M-Instruct (checkpoint A) serves a 3k-token document and stores its KV. Then a
-"fine-tune refresh" of it (checkpoint B: the same files with one MLP weight retrained, here
-perturbed with seeded noise) is deployed under the same served name on the same store:
+"fine-tune refresh" of it (checkpoint B: the same files with the MLP output weights of the
+upper layers retrained, here perturbed with seeded noise) is deployed under the same served
+name on the same store:
 
 * with the default ``model_fingerprint=auto``, B gets 0 cached tokens and exactly the
   output of B without any cache;
@@ -31,11 +32,11 @@ from demo.models import smollm2  # noqa: E402
 from demo.vllm_demo import chat_prompt, document  # noqa: E402
 
 SERVED = "smollm2"
-RETRAINED = "model.layers.20.mlp.down_proj.weight"
+RETRAINED = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(10, 30)]
 
 
 def refreshed(base: Path, out: Path) -> Path:
-    """Checkpoint B: A with one tensor retrained (seeded noise of 2% of its scale)."""
+    """Checkpoint B: A with the RETRAINED tensors changed (seeded noise of 10% of their scale)."""
     if (out / "config.json").exists():
         return out
     import torch
@@ -46,10 +47,11 @@ def refreshed(base: Path, out: Path) -> Path:
     shutil.copytree(base, tmp)
     [weights] = sorted(tmp.glob("*.safetensors"))
     tensors = load_file(weights)
-    w = tensors[RETRAINED]
     gen = torch.Generator().manual_seed(5)
-    noise = torch.randn(w.shape, generator=gen, dtype=w.dtype)
-    tensors[RETRAINED] = (w + 0.02 * w.abs().mean() * noise).contiguous()
+    for name in RETRAINED:
+        w = tensors[name]
+        noise = torch.randn(w.shape, generator=gen, dtype=w.dtype)
+        tensors[name] = (w + 0.1 * w.abs().mean() * noise).contiguous()
     save_file(tensors, weights, metadata={"format": "pt"})
     tmp.rename(out)
     return out
@@ -70,13 +72,13 @@ def run(model: Path, store: Path | None, prompt: str, **connector: Any) -> tuple
 def main() -> None:
     work = ROOT / ".cache"
     a = smollm2(work / "models" / "smollm2-135m-instruct")
-    b = refreshed(a, work / "models" / "smollm2-135m-instruct-refresh")
+    b = refreshed(a, work / "models" / "smollm2-135m-instruct-refresh-v2")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a)
     prompt = chat_prompt(tok, document(120), "What must the Tenant pay each month?")
     n = len(tok(prompt)["input_ids"])
-    results: dict[str, Any] = {"prompt_tokens": n, "retrained_tensor": RETRAINED}
+    results: dict[str, Any] = {"prompt_tokens": n, "retrained_tensors": len(RETRAINED)}
     for mode in ("auto", "off"):
         store = work / f"refresh-store-{mode}"
         shutil.rmtree(store, ignore_errors=True)
@@ -94,13 +96,14 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps(results, indent=1))
         return
-    print(f"{n}-token prompt; checkpoint B = A with {RETRAINED} retrained; both served as {SERVED!r}")
+    print(f"{n}-token prompt; checkpoint B = A with {len(RETRAINED)} MLP weights retrained; both served as {SERVED!r}")
     for mode in ("auto", "off"):
         r = results[mode]
         fa, fb = ((r[k]["fingerprint"] or "none")[:12] for k in ("A", "B"))
         same = "equals" if r["B equals B without cache"] else "DIFFERS FROM"
         print(f"model_fingerprint={mode}: A cached {r['A']['cached']} (fingerprint {fa}), then B cached "
               f"{r['B']['cached']} (fingerprint {fb}); B's output {same} B without cache")
+        print(f"    A: {r['A']['text']!r}")
         print(f"    B: {r['B']['text']!r}")
     print(f"B without cache: {ref!r}")
 

@@ -140,7 +140,8 @@ def human(n: float) -> str:
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    # lines are never broken inside a value; piped output gets room for wide tables
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 def _table(title: str | None, cols: list[str], rows: list[list[str]], right: set[str] | None = None) -> None:
@@ -693,11 +694,14 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
             base = endpoint_base(endpoint)
             if "doc" not in sel:
                 raise CommandError("usage", "--endpoint needs a document (--text, --file, --tokens or --messages)")
-            try:
-                before = term.call("lookup", sel)
-            except RemoteError as exc:  # e.g. an engine that has not recorded the model yet
-                if exc.code not in ("failed", "usage"):
-                    raise
+            known = term.call("names")["models"]
+            if sel.get("model") is None:
+                if len(known) != 1:
+                    raise CommandError("usage", "give --model: the name the engine serves the model under")
+                sel["model"] = known[0]
+            if sel["model"] in known:
+                before = term.call("lookup", sel)  # also checks the document before anything is sent
+            else:  # an engine that has not recorded the model yet: the prefill makes it do so
                 before = {"hit_tokens": 0, "total_tokens": 0, "first_miss": 0}
             out["prefill"] = {"endpoint": base, "hit_tokens_before": before["hit_tokens"]}
             after = before
@@ -1012,14 +1016,15 @@ def invoke(args: list[str], term: Terminal) -> int:
     rule as every other error: one line, or the JSON error object under --json."""
     from typer import _click as click  # typer's own click (typer >= 0.25 vendors it)
 
+    words = args[: args.index("--")] if "--" in args else args
+    if "--pinned" in words and "--unpinned" in words:
+        return report(term.json, "usage", "--pinned and --unpinned contradict each other: give one")
     cmd = typer.main.get_command(app)
     try:
         rv = cmd.main(args=args, prog_name="lmctl", standalone_mode=False, obj=term)
     except click.exceptions.UsageError as exc:
-        if term.json:
-            return report(True, "usage", exc.format_message())
-        exc.show()
-        return int(Exit.USAGE)
+        where = exc.ctx.command_path if exc.ctx is not None else "lmctl"
+        return report(term.json, "usage", f"{exc.format_message()} (see {where} --help)")
     except typer.Abort:
         return report(term.json, "interrupted", "interrupted")
     except typer.Exit as exc:

@@ -32,7 +32,7 @@ from store.private import make_private_dir
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
-from .ops import OPS
+from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 
 log = logging.getLogger("lmctl.daemon")
@@ -333,6 +333,7 @@ class Daemon:
             changes = {k.replace("tiers.@default.", f"tiers.{default}."): v for k, v in self.settings.items()}
             try:
                 cfg = apply_settings(store.config, changes)
+                check_pin_budgets(store, cfg)
                 if cfg.to_json() != store.config.to_json():
                     store.configure(cfg)
                     log.info("store settings changed: %s", ", ".join(sorted(changes)))

@@ -98,9 +98,14 @@ def _resolve_adapter(spec: str, recorded: list[Recorded]) -> AdapterIdentity:
         return AdapterIdentity(os.path.basename(path.rstrip(os.sep)), digest)
     if "@" in spec:
         try:
-            return AdapterIdentity.parse(spec)
+            ident = AdapterIdentity.parse(spec)
         except StoreError as exc:
             raise UsageError(str(exc)) from None
+        if not any(r.ns.adapter == ident for r in recorded):
+            known = sorted({str(r.ns.adapter) for r in recorded if r.ns.adapter is not None})
+            raise UsageError(f"no adapter {spec} has been served from this store (adapters: "
+                             f"{', '.join(known) or 'none'}); for one never served, give its folder")
+        return ident
     best: tuple[float, AdapterIdentity] | None = None
     for r in recorded:
         if r.ns.adapter is not None and r.ns.adapter.name == spec:
@@ -130,6 +135,9 @@ def _check_model(recorded: list[Recorded], model: str | None) -> None:
 def _check_conflicts(args: dict[str, Any]) -> None:
     if args.get("base") and args.get("adapter") is not None:
         raise UsageError("--base and --adapter contradict each other: give one")
+    if args.get("doc") is not None and args.get("keys"):
+        raise UsageError("--key and a document (--text, --file, --tokens, --messages) contradict each other: "
+                         "give one")
 
 
 def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace], dict[str, Any]]:
@@ -171,7 +179,8 @@ FILTER_KEYS = ("model", "adapter", "base", "label", "tier", "older_than", "pinne
 def _filters(args: dict[str, Any]) -> set[str]:
     """The chunk filters a request sets (explicit keys and documents aside). ``pinned``
     false (``--unpinned``) is a filter too."""
-    return {k for k in FILTER_KEYS if (args.get(k) is not None if k == "pinned" else args.get(k) not in (None, False))}
+    return {k for k in FILTER_KEYS
+            if (args.get(k) is not None if k in ("pinned", "older_than") else args.get(k) not in (None, False))}
 
 
 def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selection:
@@ -415,7 +424,7 @@ def op_compress(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     # negative when the chunks grew (e.g. --codec raw); a dry run's bytes_after is an estimate
     out["bytes_saved"] = out["bytes_before"] - out["bytes_after"]
     out["estimated"] = out["dry_run"]
-    out["codec"], out["level"] = codec, level
+    out["codec"], out["level"] = codec, None if codec == "raw" else level
     return out
 
 
@@ -544,6 +553,17 @@ def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             "models": sorted({r.ns.model for r in recorded})}
 
 
+def check_pin_budgets(store: Store, cfg: Any) -> None:
+    """Refuse settings that would leave a tier's pinned chunks over its pin budget."""
+    tiers = store.stats()["tiers"]
+    for name, t in cfg.tiers.items():
+        pinned = tiers.get(name, {}).get("pinned_bytes", 0)
+        if pinned > t.pin_budget_bytes:
+            raise UsageError(f"tier {name} holds {pinned} pinned bytes, over the pin budget of "
+                             f"{t.pin_budget_bytes} bytes these settings give; unpin first or give a larger "
+                             "capacity or pin budget")
+
+
 def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Show the store's settings, or change some (``set``: {KEY: VALUE}), validated first."""
     from .settings import apply_settings, settings_json
@@ -554,6 +574,7 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             cfg = apply_settings(store.config, changes)
         except StoreError as exc:
             raise UsageError(str(exc)) from None
+        check_pin_budgets(store, cfg)
         store.configure(cfg)
     return {"settings": settings_json(store.config), "changed": sorted(changes)}
 

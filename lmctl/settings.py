@@ -55,8 +55,10 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
         raise StoreError(f"{name} must be a number, not {value!r}")
     try:
         n = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise StoreError(f"{name} must be a number, not {value!r}") from None
+    if n != n or n in (float("inf"), float("-inf")):
+        raise StoreError(f"{name} must be a finite number, not {value!r}")
     if kind is int:
         if n != int(n):
             raise StoreError(f"{name} must be a whole number, not {value!r}")
@@ -64,11 +66,17 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
     return n
 
 
+#: the smallest tier capacity an operator may set: below it a tier holds a handful of chunks
+MIN_CAPACITY = 16 << 20
+
+
 def _size(value: Any, name: str) -> int:
-    if isinstance(value, float) and value != int(value):
-        raise StoreError(f"{name} must be a whole number of bytes or a size like 500GiB, not {value!r}")
-    if isinstance(value, str) and value.strip().isdigit():
-        raise StoreError(f"{name} {value!r} has no unit: write {value}B if you mean bytes, or e.g. 500GiB")
+    """A size: a unit is required (``500GiB``, ``4096B``), so a bare number, from the command
+    line or a config file, can never mean a few bytes by mistake."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) or (
+            isinstance(value, str) and re.fullmatch(r"\s*[\d.eE+-]+\s*", value)):
+        raise StoreError(f"{name} {value!r} has no unit: write it as a size like 500GiB or 1TB "
+                         f"(or {value}B if you really mean bytes)")
     return parse_size(value)
 
 
@@ -77,8 +85,9 @@ def _pin_budget(value: Any, name: str) -> float:
     if isinstance(value, str) and re.search(r"[a-zA-Z]", value):
         return float(parse_size(value))
     n = _number(value, name)
-    if n < 0:
-        raise StoreError(f"{name} must not be negative")
+    if not 0 <= n <= 1:
+        raise StoreError(f"{name} {value!r}: give a fraction of the capacity between 0 and 1, or a size with "
+                         "a unit (100GiB)")
     return float(n)
 
 
@@ -124,6 +133,8 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConf
                 t = cfg.tiers[tier] = TierConfig(capacity=0)
             if field == "capacity":
                 t.capacity = _size(value, name)
+                if t.capacity < MIN_CAPACITY:
+                    raise StoreError(f"{name} {value!r} is too small: a tier needs at least 16MiB")
             elif field == "path":
                 t.path = str(value) or None
             else:
@@ -175,6 +186,18 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if bad:
         raise StoreError(f"config file {path}: unknown [daemon] setting(s) {', '.join(bad)}; "
                          f"known: {', '.join(DAEMON_KEYS)}")
+    for key, kinds, what in (("store", (str,), "a folder path"), ("socket", (str,), "a socket path"),
+                             ("log_level", (str,), "debug, info, warning or error"),
+                             ("socket_mode", (str,), 'an octal mode in quotes ("0660")'),
+                             ("socket_group", (str, int), "a group name or gid"),
+                             ("maintenance_interval", (int, float), "a number of seconds")):
+        v = daemon.get(key)
+        if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
+            raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {v!r}")
+    uids = daemon.get("allow_uid")
+    if uids is not None and (not isinstance(uids, list) or not all(
+            isinstance(u, int) and not isinstance(u, bool) for u in uids)):
+        raise StoreError(f"config file {path}: [daemon] allow_uid must be a list of uids (integers), not {uids!r}")
     changes = flatten(doc.get("store") or {})
     changes.update(flatten({"tiers": doc.get("tiers") or {}}))
     return daemon, changes

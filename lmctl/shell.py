@@ -77,6 +77,8 @@ class Shell:
             words = shlex.split(line)
         except ValueError as exc:
             return self.report(self.term.json, "usage", str(exc))
+        as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
+        words = [w for w in words if w != "--json"]
         if not words:
             return 0
         if words[0] in ("help", "?"):
@@ -85,8 +87,6 @@ class Shell:
             return self.report(self.term.json, "usage", f"{words[0]} is not available inside the shell")
         if words[0] not in self.commands:
             return self.report(self.term.json, "usage", f"unknown command {words[0]!r}; type help")
-        as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
-        words = [w for w in words if w != "--json"]
         saved, self.term.json = self.term.json, self.term.json or as_json
         try:
             # the same rule as the one-shot CLI: usage errors are one line (or JSON), exit 2

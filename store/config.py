@@ -98,8 +98,8 @@ def parse_size(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise StoreError(f"size {value!r} is not a number of bytes")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise StoreError(f"size {value!r} must not be negative")
+        if value < 0 or value != value or value in (float("inf"), float("-inf")):
+            raise StoreError(f"size {value!r} must be a finite, non-negative number of bytes")
         return int(value)
     text = str(value).strip().lower().replace(" ", "").replace("_", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -108,6 +108,6 @@ def parse_size(value: int | float | str) -> int:
         n = float(num)
     except ValueError:
         raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB") from None
-    if unit not in _UNITS or n < 0:
+    if unit not in _UNITS or not 0 <= n * _UNITS[unit] < 2**63:
         raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB")
     return int(n * _UNITS[unit])

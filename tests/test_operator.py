@@ -474,3 +474,87 @@ def test_bash_completion_install_says_how_to_load_it_without_bash_completion(tmp
     have_framework = any(os.path.exists(p) for p in ("/usr/share/bash-completion/bash_completion",
                                                      "/etc/bash_completion"))
     assert ("source " in r.stdout) is not have_framework
+
+
+# -- found by a fresh-eyes review -----------------------------------------------------------------
+def test_sizes_and_budgets_an_operator_mistypes_are_refused(daemon: Daemon, tmp_path: Path) -> None:
+    cj(daemon, "pin", "--label", "doc", "--tokens", tokens_file(tmp_path, TOKENS))
+    for setting, why in (("tiers.nvme.capacity=10", "no unit"), ("tiers.nvme.capacity=1KiB", "too small"),
+                         ("tiers.nvme.capacity=1e400GiB", "not a size"), ("tiers.nvme.pin_budget=1.5", "fraction"),
+                         ("tiers.nvme.pin_budget=4KiB", "pinned bytes"), ("codec_level=nan", "number")):
+        r = cli(daemon, "config", "set", setting)
+        assert r.returncode == 2 and why in r.stderr, (setting, r.stderr)
+        no_traceback(r)
+    with library(daemon) as s:
+        assert s.config.tiers["nvme"].capacity == 256 * MiB and s.config.tiers["nvme"].pin_budget == 0.5
+    assert cj(daemon, "ls")["total"] == 6
+
+
+def test_a_bare_capacity_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    fill(tmp_path / "store")
+    for body in ("[tiers.nvme]\ncapacity = 10\n", "[daemon]\nallow_uid = \"x\"\n", "[store]\ncodec = 3\n"):
+        conf = tmp_path / "bad.toml"
+        conf.write_text(body)
+        r = serve("serve", "--store", str(tmp_path / "store"), "--config", str(conf), timeout=20)
+        assert r.returncode == 2, (body, r.stderr)
+        no_traceback(r)
+    r = serve("serve", "--store", str(tmp_path / "store"), "--capacity", "1e400GiB", timeout=20)
+    assert r.returncode == 2
+    no_traceback(r)
+    with Store(tmp_path / "store", readonly=True) as s:
+        assert s.config.tiers["nvme"].capacity == 256 * MiB and len(list(s.iter_chunks())) == 6
+
+
+def test_more_contradictions_and_unknown_names_are_usage_errors(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    key = NS.chunk_keys(TOKENS)[0].hex()
+    for argv in (["evict", "--pinned", "--unpinned"], ["lookup", "--key", key, "--tokens", doc],
+                 ["lookup", "--adapter", "civil@0000", "--tokens", doc]):
+        r = cli(daemon, *argv)
+        assert r.returncode == 2, (argv, r.stderr)
+        no_traceback(r)
+    assert cj(daemon, "ls")["total"] == 6  # nothing was evicted
+    # option parsing errors are one line too, naming where to look
+    for argv in (["move", "--model", "m"], ["ls", "--limit", "abc"], ["frobnicate"]):
+        r = cli(daemon, *argv)
+        assert r.returncode == 2 and r.stderr.startswith("lmctl: ") and r.stderr.count("\n") == 1, r.stderr
+    # --older-than 0s is a filter (everything), not "no selector"
+    assert cj(daemon, "ls", "--older-than", "0s")["total"] == 6
+    assert cj(daemon, "compress", "--model", "m", "--codec", "raw")["level"] is None
+
+
+def test_warm_checks_the_document_before_posting_and_names_the_one_model(daemon: Daemon, tmp_path: Path) -> None:
+    bodies: list[dict[str, object]] = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a: object) -> None:
+            return
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        empty = tmp_path / "empty.json"
+        empty.write_text("[]")
+        r = cli(daemon, "warm", "--endpoint", url, "--messages", str(empty))
+        assert r.returncode == 2 and bodies == []  # refused before anything reached the engine
+        r = cli(daemon, "warm", "--endpoint", url, "--tokens", tokens_file(tmp_path, OTHER + [5] * 20))
+        assert r.returncode == 0, r.stderr
+        assert len(bodies) == 1 and bodies[0]["model"] == "m"  # the store's one model
+    finally:
+        srv.shutdown()
+
+
+def test_the_shell_takes_json_before_the_command(daemon: Daemon) -> None:
+    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(daemon.sock), "shell"],
+                       input="--json status\nls --limit abc\nexit\n", capture_output=True, text=True,
+                       env={**env_with_path(), "HOME": str(daemon.store.parent)}, timeout=60)
+    assert r.returncode == 0
+    assert '"daemon": {' in r.stdout and "unknown command" not in r.stderr
+    assert "lmctl: " in r.stderr and "Usage:" not in r.stderr + r.stdout
