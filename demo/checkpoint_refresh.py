@@ -57,14 +57,20 @@ def refreshed(base: Path, out: Path) -> Path:
     return out
 
 
-def run(model: Path, store: Path | None, prompt: str, **connector: Any) -> tuple[str, int, str | None]:
+def run(model: Path, store: Path | None, prompt: str, **connector: Any) -> dict[str, Any]:
+    """One engine, one greedy answer: its text, the log-probability of its tokens (which
+    tells KV apart even where the greedy text agrees), cached tokens, the fingerprint."""
+    from vllm import SamplingParams
+
+    from engine_hook.vllm import live_connectors
+
     eng = Engine(model, store, max_model_len=4096, lora=False, served_model_name=SERVED, connector=connector)
     try:
-        out = eng.generate(prompt, None, 16)
-        from engine_hook.vllm import live_connectors
-
+        out = eng.llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, logprobs=0), use_tqdm=False)[0]
+        eng.flush()
         fps = {c.model_fingerprint for c in live_connectors()}
-        return out.outputs[0].text, int(out.num_cached_tokens or 0), fps.pop() if fps else None
+        return {"text": out.outputs[0].text, "logprob": round(float(out.outputs[0].cumulative_logprob), 4),
+                "cached": int(out.num_cached_tokens or 0), "fingerprint": fps.pop() if fps else None}
     finally:
         eng.close()
 
@@ -83,16 +89,14 @@ def main() -> None:
         store = work / f"refresh-store-{mode}"
         shutil.rmtree(store, ignore_errors=True)
         t0 = time.perf_counter()
-        out_a, cached_a, fp_a = run(a, store, prompt, model_fingerprint=mode)
-        out_b, cached_b, fp_b = run(b, store, prompt, model_fingerprint=mode)
-        results[mode] = {"A": {"cached": cached_a, "fingerprint": fp_a, "text": out_a},
-                         "B": {"cached": cached_b, "fingerprint": fp_b, "text": out_b},
-                         "seconds": round(time.perf_counter() - t0, 1)}
+        results[mode] = {"A": run(a, store, prompt, model_fingerprint=mode),
+                         "B": run(b, store, prompt, model_fingerprint=mode)}
+        results[mode]["seconds"] = round(time.perf_counter() - t0, 1)
         shutil.rmtree(store, ignore_errors=True)
-    ref, cached_ref, _ = run(b, None, prompt)
-    results["B without cache"] = {"cached": cached_ref, "text": ref}
+    ref = results["B without cache"] = run(b, None, prompt)
     for mode in ("auto", "off"):
-        results[mode]["B equals B without cache"] = results[mode]["B"]["text"] == ref
+        mine = results[mode]["B"]
+        results[mode]["B equals B without cache"] = (mine["text"], mine["logprob"]) == (ref["text"], ref["logprob"])
     if "--json" in sys.argv:
         print(json.dumps(results, indent=1))
         return
@@ -100,12 +104,12 @@ def main() -> None:
     for mode in ("auto", "off"):
         r = results[mode]
         fa, fb = ((r[k]["fingerprint"] or "none")[:12] for k in ("A", "B"))
-        same = "equals" if r["B equals B without cache"] else "DIFFERS FROM"
+        same = "equals" if r["B equals B without cache"] else "differs from"
         print(f"model_fingerprint={mode}: A cached {r['A']['cached']} (fingerprint {fa}), then B cached "
               f"{r['B']['cached']} (fingerprint {fb}); B's output {same} B without cache")
-        print(f"    A: {r['A']['text']!r}")
-        print(f"    B: {r['B']['text']!r}")
-    print(f"B without cache: {ref!r}")
+        for k in ("A", "B"):
+            print(f"    {k}: {r[k]['text']!r} (log-probability {r[k]['logprob']})")
+    print(f"B without cache: {ref['text']!r} (log-probability {ref['logprob']})")
 
 
 if __name__ == "__main__":

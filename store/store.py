@@ -1437,10 +1437,18 @@ class Store:
         return problems
 
     def _remove_orphan_files(self) -> list[Problem]:
-        """Delete segment files the index does not know, whose writer is dead and which
-        hold no record: a writer killed between creating a segment and registering it
-        (records are appended only after registration). A file that does hold records
-        is never deleted here: it is reported, and ``rebuild_index`` can take it back."""
+        """Delete segment files the index does not know, whose writer is dead, and that
+        are garbage for certain:
+
+        * a file that holds no record: a writer killed between creating a segment and
+          registering it (records are appended only after registration);
+        * a file the index itself forgot: its id was issued by this index, it is no longer
+          registered and no index entry points into it. That is a segment whose last chunk
+          was evicted or compacted away, by a process killed after that commit and before it
+          could unlink the file.
+
+        Any other file that holds records (one this index never issued, as after the index
+        was lost) is never deleted here: it is reported, and ``rebuild_index`` can take it back."""
         problems: list[Problem] = []
         for st, sid in self._unknown_files():
             p = Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
@@ -1453,7 +1461,9 @@ class Store:
                 with self._read() as txn:  # registered meanwhile by its (now finished) writer?
                     if txn.get(_BE64.pack(sid), db=self._db_segs) is not None:
                         continue
-                if os.fstat(fd).st_size > ALIGN:
+                    forgotten = sid <= self._get_counter(txn, "next_segment") and not any(
+                        True for _ in self._entries_in_segment(txn, sid))
+                if os.fstat(fd).st_size > ALIGN and not forgotten:
                     p.detail += " and holds records; run rebuild to index them"
                     problems.append(p)
                     continue

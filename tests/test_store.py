@@ -403,3 +403,29 @@ def test_compress_records_its_level_and_rewrites_skip_the_same_form(make_store: 
     assert store.rewrite(keys, codec="zstd", level=1)["chunks"] == 4
     assert store.rewrite(keys, codec="raw")["chunks"] == 4
     assert store.rewrite(keys, codec="raw")["skipped"] == 4
+
+
+def test_a_segment_forgotten_by_the_index_is_removed_when_its_unlink_was_lost(
+        make_store: MakeStore, tmp_path: Path, ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed after an eviction commit and before the unlink leaves a segment file
+    that the index no longer knows (fault injection: the unlink is skipped). Recovery removes
+    it; it is never mistaken for a file that rebuild_index should take back."""
+    store = make_store(segment_bytes=1 * MiB)
+    keys = ns.chunk_keys(list(range(16 * 40)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.close()
+    store = make_store(segment_bytes=1 * MiB)  # the segments are sealed now
+    first = store.info(keys[0])
+    assert first is not None
+    victims = [i.key for i in store.iter_chunks() if i.segment == first.segment]
+    monkeypatch.setattr(Store, "_unlink", lambda self, unlink: None)  # killed before the unlink
+    store.evict(victims)
+    monkeypatch.undo()
+    path = Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg"
+    assert path.exists() and path.stat().st_size > 4096  # left behind, records and all
+    store.close()
+    store = make_store(segment_bytes=1 * MiB)  # recovery
+    assert not path.exists()
+    assert [p for p in store.check(deep=True) if not p.fixed] == []
+    assert all(store.get(k) is not None for k in keys if k not in victims)
