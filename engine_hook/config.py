@@ -7,14 +7,27 @@ does not silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from store import DEFAULT_CHUNK_SIZE, Store, StoreConfig, StoreError
 from store.codec import codec_id
-from store.config import parse_size
+from store.config import parse_capacity
 
 LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
+MAX_CHUNK_SIZE = 1 << 16
+#: each queued save holds one chunk-sized staging buffer, allocated up front
+MAX_SAVE_QUEUE = 1024
+
+
+def _whole(value: Any, name: str, lo: int, hi: int) -> int:
+    """A whole number in [lo, hi]: ``True``, ``1.9`` or ``"16"`` are refused, not rounded."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StoreError(f"{name} must be a whole number, not {value!r}")
+    if not lo <= value <= hi:
+        raise StoreError(f"{name} must be between {lo} and {hi}, not {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -36,15 +49,15 @@ class ConnectorSettings:
         if unknown:
             raise StoreError(f"unknown lmctl connector setting(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
-        if not extra.get("store_path"):
-            raise StoreError("kv_connector_extra_config needs 'store_path' (the lmctl store folder)")
-        try:
-            chunk = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
-            queue = int(extra.get("save_queue", 16))
-        except (TypeError, ValueError):
-            raise StoreError("chunk_size and save_queue must be integers") from None
-        if chunk <= 0 or queue < 1:
-            raise StoreError("chunk_size must be positive and save_queue at least 1")
+        path = extra.get("store_path")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise StoreError(f"kv_connector_extra_config needs 'store_path': the lmctl store folder, as a path "
+                             f"string (got {path!r})")
+        chunk = _whole(extra.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1, MAX_CHUNK_SIZE)
+        queue = _whole(extra.get("save_queue", 16), "save_queue", 1, MAX_SAVE_QUEUE)
+        for key in ("model_id", "kv_layout", "codec", "on_load_error"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise StoreError(f"{key} must be a string, not {extra[key]!r}")
         codec = extra.get("codec")
         if codec is not None:
             codec_id(str(codec))
@@ -62,8 +75,9 @@ class ConnectorSettings:
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
         return cls(
-            store_path=str(extra["store_path"]), chunk_size=chunk, codec=None if codec is None else str(codec),
-            capacity=None if cap is None else parse_size(cap), save_queue=queue,
+            store_path=os.path.abspath(os.fspath(path)), chunk_size=chunk,
+            codec=None if codec is None else str(codec),
+            capacity=None if cap is None else parse_capacity(cap, "capacity"), save_queue=queue,
             model_id=extra.get("model_id") or None, model_fingerprint=fp,
             on_load_error=policy, kv_layout=layout,
         )

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
-from store.config import TIER_ORDER, parse_size
+from store.config import TIER_ORDER, parse_capacity, parse_size
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
@@ -64,10 +64,6 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
             raise StoreError(f"{name} must be a whole number, not {value!r}")
         return int(n)
     return n
-
-
-#: the smallest tier capacity an operator may set: below it a tier holds a handful of chunks
-MIN_CAPACITY = 16 << 20
 
 
 def _size(value: Any, name: str) -> int:
@@ -132,9 +128,7 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConf
             if t is None:
                 t = cfg.tiers[tier] = TierConfig(capacity=0)
             if field == "capacity":
-                t.capacity = _size(value, name)
-                if t.capacity < MIN_CAPACITY:
-                    raise StoreError(f"{name} {value!r} is too small: a tier needs at least 16MiB")
+                t.capacity = parse_capacity(value, name)
             elif field == "path":
                 t.path = str(value) or None
             else:

@@ -4,6 +4,7 @@ that opens the store agrees on capacity, tiers and codec."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from .errors import StoreError
@@ -91,6 +92,25 @@ class StoreConfig:
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+#: the smallest tier capacity an operator may set: below it a tier holds a handful of chunks
+MIN_CAPACITY = 16 << 20
+
+
+def parse_capacity(value: object, name: str = "capacity") -> int:
+    """A tier capacity from operator input: a size with a unit (``500GiB``, ``1TB``), at
+    least 16 MiB. A bare number is refused, so ``10`` can never mean ten bytes (and evict
+    the whole cache)."""
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+            isinstance(value, str) and re.fullmatch(r"\s*[\d.eE+-]+\s*", value)):
+        raise StoreError(f"{name} {value!r} has no unit: write it as a size like 500GiB or 1TB")
+    if not isinstance(value, str):
+        raise StoreError(f"{name} must be a size like 500GiB, not {value!r}")
+    n = parse_size(value)
+    if n < MIN_CAPACITY:
+        raise StoreError(f"{name} {value!r} is too small: a tier needs at least 16MiB")
+    return n
 
 
 def parse_size(value: int | float | str) -> int:
