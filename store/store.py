@@ -155,6 +155,20 @@ class ChunkInfo:
     level: int = 0
 
 
+def trailer_mismatch(key: bytes, e: Entry, hdr: Any) -> str | None:
+    """What an index entry and its record's checksummed trailer disagree on, if anything.
+    LMDB keeps no checksums of its own, so every read checks the entry against the trailer."""
+    layout = hdr.meta.get("layout", {}) if isinstance(hdr.meta, dict) else None
+    tokens = hdr.meta.get("tokens", 0) if isinstance(hdr.meta, dict) else None
+    for what, ours, theirs in (("the key", key, hdr.key), ("the checksum", e.checksum, hdr.checksum),
+                               ("the codec", e.codec, hdr.codec), ("the stored length", e.stored_len, hdr.stored_len),
+                               ("the raw length", e.raw_len, hdr.raw_len), ("the layout", e.layout, layout),
+                               ("the token count", e.tokens, tokens)):
+        if ours != theirs:
+            return what
+    return None
+
+
 def short_key(key: bytes) -> str:
     """What tells two chunks apart in a message: the start of the chunk hash (a key's first
     16 bytes are its namespace, the same for every chunk of a model and adapter)."""
@@ -1004,11 +1018,11 @@ class Store:
                 data = memoryview(buf)[: e.stored_len]
                 try:
                     hdr = st.io.read_record(sid, off, e.stored_len, data)
-                except (CorruptRecord, SegmentGone):
+                except (CorruptRecord, SegmentGone, ValueError):
                     st.io.pool.give(buf)
                     self._drop_corrupt(key, e)
                     continue
-                if hdr.key != key:
+                if trailer_mismatch(key, e, hdr):
                     st.io.pool.give(buf)
                     self._drop_corrupt(key, e)
                     continue
@@ -1140,18 +1154,24 @@ class Store:
             if st is None:
                 self._count_miss(touch)
                 return None
-            stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
             try:
+                if e.codec == 0 and e.stored_len != e.raw_len:
+                    raise CorruptRecord(f"index entry of a raw chunk has stored length {e.stored_len} "
+                                        f"and raw length {e.raw_len}")
+                stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
                 hdr = st.io.read_record(e.seg, e.off, e.stored_len, stored)
-                if hdr.key != key or hdr.checksum != e.checksum or hdr.stored_len != e.stored_len:
-                    raise CorruptRecord(f"record at segment {e.seg} offset {e.off} belongs to another key")
+                wrong = trailer_mismatch(key, e, hdr)
+                if wrong:
+                    raise CorruptRecord(f"record at segment {e.seg} offset {e.off}: the index and the record "
+                                        f"trailer disagree on {wrong}")
                 if e.codec != 0:
                     itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
                     plain = self.codec.decode(e.codec, stored, e.raw_len, itemsize)
                     dst[: e.raw_len] = plain
             except SegmentGone:
                 continue  # compacted under us: look the key up again
-            except (CorruptRecord, StoreError) as exc:
+            except (CorruptRecord, StoreError, ValueError, OverflowError, MemoryError) as exc:
+                # a record or an index entry that does not add up is a miss, never wrong bytes
                 log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
                 self._drop_corrupt(key, e)
                 self._count_miss(touch)
@@ -1525,9 +1545,10 @@ class Store:
             if deep:
                 try:
                     hdr = st.io.read_record(e.seg, e.off, e.stored_len, None)
-                    if hdr.key != key:
-                        raise CorruptRecord("foreign key")
-                except (CorruptRecord, SegmentGone) as exc:
+                    wrong = trailer_mismatch(key, e, hdr)
+                    if wrong:
+                        raise CorruptRecord(f"the index and the record trailer disagree on {wrong}")
+                except (CorruptRecord, SegmentGone, ValueError, OverflowError) as exc:
                     problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
                     bad.append((key, e))
         if fix and bad:

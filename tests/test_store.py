@@ -429,3 +429,38 @@ def test_a_segment_forgotten_by_the_index_is_removed_when_its_unlink_was_lost(
     assert not path.exists()
     assert [p for p in store.check(deep=True) if not p.fixed] == []
     assert all(store.get(k) is not None for k in keys if k not in victims)
+
+
+@pytest.mark.parametrize("codec, field, value", [
+    ("zstd-shuffle", "codec", 0),            # compressed bytes would be served as KV
+    ("zstd-shuffle", "codec", 1),
+    ("zstd-shuffle", "raw_len", None),       # a shorter raw length: part of a chunk served as all of it
+    ("zstd-shuffle", "stored_len", None),
+    ("raw", "stored_len", None),             # raised a bare ValueError
+    ("raw", "raw_len", None),
+    ("raw", "codec", 2),
+    ("zstd-shuffle", "layout", {"dtype": "float16", "shape": [1]}),
+    ("raw", "tokens", 7),
+])
+def test_an_index_entry_that_disagrees_with_its_record_is_a_corrupt_miss(
+        make_store: MakeStore, ns: Namespace, codec: str, field: str, value: object) -> None:
+    """LMDB has no checksums: a changed index entry (fault injection: one field rewritten in
+    the index) is caught by the record's checksummed trailer, on every read and by verify."""
+    from store.store import Entry
+
+    store = make_store(codec=codec)
+    keys = ns.chunk_keys(list(range(16 * 2)))
+    for k in keys:
+        assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    k = keys[0]
+    with store._env.begin(write=True) as txn:
+        e = Entry.unpack(txn.get(k, db=store._db_chunks))
+        if value is None:
+            value = getattr(e, field) - 8 if field == "raw_len" else getattr(e, field) + 4096
+        setattr(e, field, value)
+        txn.put(k, e.pack(), db=store._db_chunks)
+    assert [p.kind for p in store.check(deep=True)] == ["corrupt-chunk"]
+    assert store.get(k) is None  # a miss, never wrong bytes or an exception
+    assert store.stats()["counters"]["corrupt"] == 1 and not store.contains(k)
+    other = store.get(keys[1])
+    assert other is not None and bytes(other.data) == content(keys[1], SMALL_FMT.chunk_bytes)
