@@ -927,13 +927,14 @@ class Store:
         """Background housekeeping (the daemon calls it periodically): evict any tier above
         ``high_watermark`` of its capacity down to the low watermark, compact mostly-dead
         segments and write pending access times. Returns what it did."""
-        out = {"evicted": 0, "segments_compacted": 0, "bytes_reclaimed": 0}
+        out = {"evicted": 0, "segments_compacted": 0, "bytes_reclaimed": 0, "segments_forgotten": 0}
         for name, st in self._tiers.items():
             with self._read() as txn:
                 used = self._get_counter(txn, f"used:{name}")
             if used > high_watermark * st.cfg.capacity:
                 with self._lock:
                     out["evicted"] += self._enforce_capacity(name, 0, trim=True)
+        out["segments_forgotten"] = len(self.forget_missing_segments())
         segs, reclaimed = self.compact()
         out["segments_compacted"] += segs
         out["bytes_reclaimed"] += reclaimed
@@ -1169,7 +1170,10 @@ class Store:
                     plain = self.codec.decode(e.codec, stored, e.raw_len, itemsize)
                     dst[: e.raw_len] = plain
             except SegmentGone:
-                continue  # compacted under us: look the key up again
+                # compacted under us (look the key up again), or the file is really gone
+                if _attempt == 2 and not os.path.exists(st.io.path(e.seg)):
+                    self._forget_segment(st, e.seg)
+                continue
             except (CorruptRecord, StoreError, ValueError, OverflowError, MemoryError) as exc:
                 # a record or an index entry that does not add up is a miss, never wrong bytes
                 log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
@@ -1393,9 +1397,49 @@ class Store:
         return {"tiers": tiers, "counters": c, "write_amplification": wa}
 
     # -- recovery and checks -----------------------------------------------------
+    def forget_missing_segments(self) -> list[Problem]:
+        """Drop the index entries of sealed segments whose file is gone (deleted by hand, a
+        lost disk): lookups stop reporting hits that every read would miss, usage stops
+        counting them, and engines save those chunks again. A stat per segment."""
+        problems: list[Problem] = []
+        with self._read() as txn:
+            segs = [(_BE64.unpack(k)[0], Segment.unpack(v)) for k, v in txn.cursor(db=self._db_segs)]
+        for sid, s in segs:
+            st = self._tiers.get(TIER_NAMES.get(s.tier, ""))
+            if st is None or s.state != SEG_SEALED or os.path.exists(st.io.path(sid)):
+                continue
+            n = self._forget_segment(st, sid)
+            if n is not None:
+                problems.append(Problem("missing-segment", f"segment {sid} of tier {st.name} vanished; "
+                                        f"its {n} chunk(s) were dropped from the index", True))
+                log.warning("segment %d of tier %s vanished; dropped its %d chunk(s) from the index", sid, st.name, n)
+        return problems
+
+    def _forget_segment(self, st: _TierState, sid: int) -> int | None:
+        """Forget a registered sealed segment whose file is gone, and every entry in it."""
+        unlink: list[tuple[str, int]] = []
+
+        def fn(txn: lmdb.Transaction) -> int | None:
+            raw = txn.get(_BE64.pack(sid), db=self._db_segs)
+            if raw is None or os.path.exists(st.io.path(sid)):
+                return None
+            entries = self._entries_in_segment(txn, sid)
+            for key, e in entries:
+                self._unindex_entry(txn, key, e, unlink)
+            cur = txn.get(_BE64.pack(sid), db=self._db_segs)
+            if cur is not None:
+                txn.delete(_BE64.pack(sid), db=self._db_segs)
+                self._add(txn, f"used:{st.name}", -Segment.unpack(cur).size)
+            return len(entries)
+
+        with self._lock:
+            n = self._write(fn)
+            st.io.forget(sid)
+        return n
+
     def recover(self) -> list[Problem]:
         """Seal segments whose writer died; drop registrations of vanished files."""
-        problems: list[Problem] = []
+        problems: list[Problem] = self.forget_missing_segments()
         unlink: list[tuple[str, int]] = []
 
         with self._read() as txn:

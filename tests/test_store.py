@@ -464,3 +464,30 @@ def test_an_index_entry_that_disagrees_with_its_record_is_a_corrupt_miss(
     assert store.stats()["counters"]["corrupt"] == 1 and not store.contains(k)
     other = store.get(keys[1])
     assert other is not None and bytes(other.data) == content(keys[1], SMALL_FMT.chunk_bytes)
+
+
+@pytest.mark.parametrize("how", ["read", "maintain", "reopen"])
+def test_a_vanished_segment_stops_being_a_hit(make_store: MakeStore, ns: Namespace, how: str) -> None:
+    """A sealed segment file deleted by hand: its chunks must stop counting as stored (else
+    the engine never saves them again and recomputes those prefixes forever), on the next
+    read of one of them, at maintenance, or at the next open; usage follows."""
+    store = make_store(segment_bytes=1 * MiB)
+    keys = ns.chunk_keys(list(range(16 * 40)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.close()
+    store = make_store(segment_bytes=1 * MiB)
+    first = store.info(keys[0])
+    assert first is not None
+    gone = [k for k in keys if store.info(k).segment == first.segment]  # type: ignore[union-attr]
+    os.unlink(Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg")
+    if how == "read":
+        assert store.get(gone[0]) is None
+    elif how == "maintain":
+        assert store.maintain()["segments_forgotten"] == 1
+    else:
+        store.close()
+        store = make_store(segment_bytes=1 * MiB)
+    assert store.locate(gone) == [None] * len(gone)
+    assert all(t == "nvme" for k, t in zip(keys, store.locate(keys), strict=True) if k not in gone)
+    assert [p for p in store.check() if not p.fixed] == []  # counters and usage match the index
