@@ -4,7 +4,7 @@ The public API is re-exported here; see docs/architecture.md.
 """
 
 from .config import GiB, MiB, StoreConfig, TierConfig
-from .errors import CapacityError, PinBudgetError, StoreError
+from .errors import CapacityError, DiskFullError, PinBudgetError, StoreError
 from .keys import (
     DEFAULT_CHUNK_SIZE,
     AdapterIdentity,
@@ -19,7 +19,7 @@ from .shared import open_shared, release_shared
 from .store import Chunk, ChunkInfo, LookupResult, LRUPolicy, Problem, PutItem, Store
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "CapacityError", "Chunk", "ChunkInfo", "GiB",
+    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "CapacityError", "DiskFullError", "Chunk", "ChunkInfo", "GiB",
     "KVFormat", "LRUPolicy", "LookupResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem",
     "PutItem", "Store", "StoreConfig", "StoreError", "TierConfig", "adapter_digest",
     "chunk_keys", "open_shared", "parse_key", "release_shared",

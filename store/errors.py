@@ -11,6 +11,11 @@ class CapacityError(StoreError):
     """A chunk cannot fit in its tier even after evicting every unpinned chunk."""
 
 
+class DiskFullError(StoreError):
+    """The disk under a tier is full (ENOSPC): the chunks of that write were not stored and
+    the space they had reserved was given back."""
+
+
 class PinBudgetError(StoreError):
     """A pin would take a tier's pinned bytes over its pin budget."""
 

@@ -40,6 +40,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -231,16 +232,24 @@ class SegmentIO:
     # -- writing -----------------------------------------------------------------
     def create(self, seg_id: int) -> int:
         """Create segment ``seg_id`` and return its fd, locked exclusively by this process."""
-        fd = os.open(self.path(seg_id), os.O_RDWR | os.O_CREAT | os.O_EXCL | self._flags(), FILE_MODE)
-        os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = self.path(seg_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self._flags(), FILE_MODE)
         buf = self.pool.take(ALIGN)
         try:
+            os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             buf[:ALIGN] = b"\0" * ALIGN
-            import time as _t
-
-            _SEG.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, _t.time())
-            os.pwrite(fd, memoryview(buf)[:ALIGN], 0)
+            _SEG.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time())
+            if os.pwrite(fd, memoryview(buf)[:ALIGN], 0) != ALIGN:
+                raise OSError(errno.ENOSPC, "short write of a segment header")
+        except BaseException:
+            # a full disk (or any failure) must leave neither an fd nor a half-made file
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            raise
         finally:
             self.pool.give(buf)
         return fd

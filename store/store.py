@@ -18,6 +18,7 @@ Rules that keep it correct with several processes on one store:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import json
@@ -34,7 +35,7 @@ import lmdb
 
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
-from .errors import PinBudgetError, StoreError
+from .errors import DiskFullError, PinBudgetError, StoreError
 from .keys import DTYPE_SIZES, KEY_BYTES, Namespace, NamespaceRecord
 from .private import DIR_MODE, SALT_KEY_BYTES, make_private_dir, salt_digest, tighten
 from .segment import (
@@ -547,11 +548,18 @@ class Store:
             prepared.append((it, layout, cid, raw, stored, rec_len, now))
 
         with self._lock:
-            plan = self._reserve(st, [(p[0].key, p[5]) for p in prepared], replacing=set(_replace or ()))
+            try:
+                plan = self._reserve(st, [(p[0].key, p[5]) for p in prepared], replacing=set(_replace or ()))
+            except OSError as exc:  # a new segment file could not be made
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFullError(f"the disk under tier {st.name} ({st.io.dir}) is full: no room for a new "
+                                        "segment file; free space there or lower the tier's capacity") from None
+                raise
             written = 0
             results = [False] * len(prepared)
             todo = []
             pending = []
+            failure: BaseException | None = None
             try:
                 for i, p in enumerate(prepared):
                     slot = plan[i]
@@ -565,16 +573,33 @@ class Store:
                         encode_header, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
                     pending.append(pw)
                     todo.append((i, p, seg, off, pw))
-            finally:
-                for pw in pending:
+            except BaseException as exc:
+                failure = exc
+            for pw in pending:  # every write is waited for (its buffers must outlive it)
+                try:
                     written += pw.result()[0]
+                except BaseException as exc:
+                    failure = failure or exc
             done = [(i, p, seg, off, pw.checksum) for i, p, seg, off, pw in todo]
+            if failure is None and done and self.config.fsync:
+                try:
+                    for fd in {s[2] for s in plan if s is not None}:
+                        st.io.sync(fd)
+                except OSError as exc:
+                    failure = exc
+            if failure is not None:
+                # nothing of this batch is indexed: give its reserved space back, so a full
+                # disk never leaves phantom usage behind that would evict real chunks
+                self._release(st, plan)
+                self._close_retired(st)
+                if isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFullError(
+                        f"the disk under tier {st.name} ({st.io.dir}) is full: {len(done) or len(todo)} chunk(s) "
+                        "not stored; free space there or lower the tier's capacity") from None
+                raise failure
             if not done:
                 self._close_retired(st)
                 return results
-            if self.config.fsync:
-                for fd in {s[2] for s in plan if s is not None}:
-                    st.io.sync(fd)
             self._close_retired(st)
 
             unlink: list[tuple[str, int]] = []
@@ -734,6 +759,38 @@ class Store:
             try:
                 os.unlink(st.io.path(seg_id))
             except FileNotFoundError:
+                pass
+
+    def _release(self, st: _TierState, plan: list[tuple[int, int, int] | None]) -> None:
+        """Give back the space a failed batch reserved: each segment it wrote to is cut back to
+        where the batch began in it (this process appends alone to its segments, under
+        ``self._lock``, so that region is the tail)."""
+        start: dict[int, tuple[int, int]] = {}
+        for slot in plan:
+            if slot is not None:
+                seg, off, fd = slot
+                if seg not in start or off < start[seg][0]:
+                    start[seg] = (off, fd)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for seg, (off, _fd) in start.items():
+                raw = txn.get(_BE64.pack(seg), db=self._db_segs)
+                if raw is None:
+                    continue
+                s = Segment.unpack(raw)
+                if s.size > off:
+                    self._add(txn, f"used:{st.name}", off - s.size)
+                    s.size = off
+                    txn.put(_BE64.pack(seg), s.pack(), db=self._db_segs)
+
+        try:
+            self._write(fn)
+        except lmdb.Error as exc:  # the index's own disk is full too: recovery recounts
+            log.warning("could not give back the space of a failed write: %s", exc)
+        for _seg, (off, fd) in start.items():
+            try:
+                os.ftruncate(fd, off)
+            except OSError:
                 pass
 
     def _tier(self, name: str) -> _TierState:
