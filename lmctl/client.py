@@ -34,6 +34,10 @@ class RemoteError(Exception):
         self.code = code
 
 
+class _Closed(Exception):
+    """The daemon closed the connection before answering anything."""
+
+
 class Client:
     def __init__(self, path: str, timeout: float | None = None) -> None:
         self.path = path
@@ -64,17 +68,41 @@ class Client:
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
              progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+        reused = self._sock is not None
+        try:
+            return self._call(cmd, args, progress)
+        except _Closed as exc:
+            # the daemon hangs up connections idle for long (a shell left open): a kept
+            # connection that it closed before answering anything is made anew, once
+            self.close()
+            if not reused:
+                raise Unreachable(self.path, str(exc)) from None
+        try:
+            return self._call(cmd, args, progress)
+        except _Closed as exc:
+            self.close()
+            raise Unreachable(self.path, str(exc)) from None
+
+    def _call(self, cmd: str, args: dict[str, Any] | None,
+              progress: Callable[[int, int, str], None] | None) -> dict[str, Any]:
         self.connect()
         assert self._sock is not None
         rid = next(self._ids)
         rows: list[Any] = []
+        heard = False
         try:
-            protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
+            try:
+                protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise _Closed(f"connection lost: {exc}") from None
             while True:
-                msg = protocol.read_frame(self._sock)
+                msg = protocol.read_frame(self._sock, self.timeout)
                 if msg is None:
+                    if not heard:
+                        raise _Closed("the daemon closed the connection")
                     self.close()
                     raise Unreachable(self.path, "the daemon closed the connection")
+                heard = True
                 if "progress" in msg:
                     if progress is not None:
                         p = msg["progress"]
@@ -91,8 +119,13 @@ class Client:
                 err = msg.get("error") or {}
                 raise RemoteError(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
         except (BrokenPipeError, ConnectionResetError) as exc:
+            if not heard:
+                raise _Closed(f"connection lost: {exc}") from None
             self.close()
             raise Unreachable(self.path, f"connection lost: {exc}") from None
+        except TimeoutError:
+            self.close()
+            raise Unreachable(self.path, f"no answer within {self.timeout} s") from None
         except protocol.ProtocolError as exc:
             self.close()
             raise RemoteError("protocol", str(exc)) from None

@@ -32,7 +32,7 @@ from store.private import make_private_dir
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
-from .ops import OPS, check_pin_budgets
+from .ops import OPS, check_pin_budgets, set_caller
 from .ops import Job as OpJob
 
 log = logging.getLogger("lmctl.daemon")
@@ -40,6 +40,12 @@ log = logging.getLogger("lmctl.daemon")
 
 #: how long a stopping daemon waits for running jobs to notice they are cancelled
 SHUTDOWN_GRACE_S = 30.0
+#: clients served at once; one more is told the daemon is busy and hung up on
+MAX_CLIENTS = 64
+#: a connection with no request for this long is closed (clients reconnect on their own)
+IDLE_TIMEOUT_S = 300.0
+#: a reply or progress frame the client does not take in within this long ends the connection
+WRITE_TIMEOUT_S = 30.0
 #: fault injection for tests: seconds each progress step of a job takes
 _FAULT_STEP_DELAY = float(os.environ.get("LMCTL_FAULT_JOB_STEP_DELAY", "0") or 0)
 
@@ -393,9 +399,14 @@ class Daemon:
                         break
                     log.warning("accept failed: %s", exc)
                     continue
+                threads = [x for x in threads if x.is_alive()]
+                if len(threads) >= MAX_CLIENTS:
+                    self._busy_reply(conn, len(threads))
+                    continue
+                conn.settimeout(WRITE_TIMEOUT_S)  # sends; reads set their own deadlines
                 t = threading.Thread(target=self._client, args=(conn,), name="lmctl-client", daemon=True)
                 t.start()
-                threads = [x for x in threads if x.is_alive()] + [t]
+                threads.append(t)
         finally:
             log.info("shutting down")
             self._stop.set()
@@ -466,7 +477,7 @@ class Daemon:
             try:
                 while not self._stop.is_set():
                     try:
-                        msg = protocol.read_frame(conn)
+                        msg = protocol.read_frame(conn, IDLE_TIMEOUT_S)
                     except protocol.ProtocolError as exc:
                         # the stream cannot be trusted after a bad frame: answer, then hang up
                         st.errors += 1
@@ -482,6 +493,15 @@ class Daemon:
                     self._busy.pop(conn, None)
                 with st.lock:
                     st.clients -= 1
+
+    def _busy_reply(self, conn: socket.socket, n: int) -> None:
+        """Over the connection cap: one error reply, then hang up (never a thread)."""
+        with conn:
+            conn.settimeout(1.0)
+            log.warning("refused a client: %d clients connected (the limit)", n)
+            self._send(conn, {"id": None, "ok": False, "error": {
+                "code": "failed", "message": f"the daemon is busy: {n} clients connected, the most it serves at once; "
+                                             "try again shortly"}})
 
     @staticmethod
     def _linger(conn: socket.socket, limit_s: float = 1.0) -> None:
@@ -524,6 +544,10 @@ class Daemon:
         if op is None:
             return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'status']))}")
         job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
+        try:
+            set_caller(_peer_uid(conn))
+        except OSError:
+            set_caller(-1)
         with st.lock:
             st.jobs[job.id] = job
         with self._busy_lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -86,11 +87,47 @@ def _is_path(spec: str) -> bool:
     return os.sep in spec or spec in (".", "..") or spec.startswith("~")
 
 
+#: an adapter folder is hashed by the daemon only within these bounds
+ADAPTER_MAX_ENTRIES = 2000
+ADAPTER_MAX_BYTES = 16 << 30
+_caller = threading.local()
+
+
+def set_caller(uid: int | None) -> None:
+    """The uid of the client whose request this thread serves (the daemon sets it)."""
+    _caller.uid = uid
+
+
+def _check_adapter_folder(path: str) -> None:
+    """Before hashing a folder named by a client: it must look like an adapter (few files,
+    bounded size: never a walk of /usr or /), and a client of another uid must be able to
+    read it itself (the daemon does not read files for it that it could not)."""
+    uid = getattr(_caller, "uid", None)
+    foreign = uid is not None and uid != os.geteuid()
+    entries = size = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        entries += len(dirnames) + len(filenames)
+        if entries > ADAPTER_MAX_ENTRIES:
+            raise UsageError(f"--adapter {path}: more than {ADAPTER_MAX_ENTRIES} files and folders; "
+                             "that is not an adapter folder")
+        for name in filenames:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            size += st.st_size
+            if foreign and st.st_uid != uid and not st.st_mode & 0o004:
+                raise UsageError(f"--adapter {path}: uid {uid} may not read {os.path.join(dirpath, name)}")
+        if size > ADAPTER_MAX_BYTES:
+            raise UsageError(f"--adapter {path}: over {ADAPTER_MAX_BYTES >> 30} GiB; that is not an adapter folder")
+
+
 def _resolve_adapter(spec: str, recorded: list[Recorded]) -> AdapterIdentity:
     if _is_path(spec):
         path = os.path.abspath(os.path.expanduser(spec))
         if not os.path.isdir(path):
             raise UsageError(f"--adapter {spec}: no such folder (give NAME, NAME@DIGEST or the adapter's folder)")
+        _check_adapter_folder(path)
         digest = adapter_digest(path)
         for r in recorded:
             if r.ns.adapter is not None and r.ns.adapter.digest == digest:

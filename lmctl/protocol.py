@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from typing import Any
 
 VERSION = 1
@@ -40,47 +41,62 @@ def encode(msg: dict[str, Any]) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, len(body)) + body
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None, buf: bytearray | None = None) -> bytes | None:
+    """``n`` bytes (appended to ``buf``'s), all of them by ``deadline`` (monotonic seconds)."""
+    buf = bytearray() if buf is None else buf
+    start = len(buf)
+    while len(buf) - start < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+        part = sock.recv(n - (len(buf) - start))
         if not part:
-            if not buf:
+            if len(buf) == 0:
                 return None
             raise ProtocolError("connection closed in the middle of a frame")
         buf += part
-    return bytes(buf)
+    return bytes(buf[start:])
 
 
-BODY_TIMEOUT = 30.0
+#: once a frame has begun, all of it (header and body) must arrive within this many seconds
+FRAME_TIMEOUT = 30.0
 
 
-def read_frame(sock: socket.socket) -> dict[str, Any] | None:
+def read_frame(sock: socket.socket, idle_timeout: float | None = None) -> dict[str, Any] | None:
     """One message, or None when the peer closed the connection cleanly. Waiting for a
-    message may take forever (an idle shell); once one has begun, the rest must arrive
-    within ``BODY_TIMEOUT`` seconds."""
-    head = _recv_exact(sock, _HEADER.size)
-    if head is None:
-        return None
-    magic, version, length = _HEADER.unpack(head)
-    if magic != MAGIC:
-        raise ProtocolError("not an lmctl frame (bad magic)")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    if length > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {length} bytes is over the {MAX_FRAME}-byte limit")
+    message may take up to ``idle_timeout`` (None: forever; then ``TimeoutError``); once its
+    first byte has arrived, the whole frame must arrive within ``FRAME_TIMEOUT`` seconds,
+    however slowly it trickles."""
     before = sock.gettimeout()
-    sock.settimeout(BODY_TIMEOUT if before is None else min(before, BODY_TIMEOUT))
     try:
-        body = _recv_exact(sock, length)
-    except TimeoutError:
-        raise ProtocolError(f"frame body not received within {BODY_TIMEOUT:.0f} s") from None
+        sock.settimeout(idle_timeout)
+        first = sock.recv(1)
+        if not first:
+            return None
+        deadline = time.monotonic() + FRAME_TIMEOUT
+        try:
+            head = _recv_exact(sock, _HEADER.size - 1, deadline, bytearray(first))
+            assert head is not None
+            magic, version, length = _HEADER.unpack(first + head)
+            if magic != MAGIC:
+                raise ProtocolError("not an lmctl frame (bad magic)")
+            if version != VERSION:
+                raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+            if length > MAX_FRAME:
+                raise FrameTooLarge(f"frame of {length} bytes is over the {MAX_FRAME}-byte limit")
+            body = _recv_exact(sock, length, deadline)
+        except TimeoutError:
+            raise ProtocolError(f"frame not received within {FRAME_TIMEOUT:.0f} s of its first byte") from None
     finally:
         sock.settimeout(before)
     if body is None:
         raise ProtocolError("connection closed in the middle of a frame")
     try:
         msg = json.loads(body)
+    except RecursionError:
+        raise ProtocolError("frame body is nested too deeply") from None
     except ValueError:
         raise ProtocolError("frame body is not JSON") from None
     if not isinstance(msg, dict):

@@ -29,7 +29,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy (a failed test): detach
 
 
 def on_disk(store: Store) -> int:
@@ -80,3 +81,137 @@ def test_a_full_disk_costs_misses_never_the_cached_chunks(small_disk: Path) -> N
     with Store(small_disk / "s") as again:
         assert [p for p in again.check(deep=True) if not p.fixed] == []
         assert again.stats()["tiers"]["nvme"]["disk_bytes"] == on_disk(again)
+
+
+# -- a hostile or careless client ------------------------------------------------------------
+def test_a_trickled_frame_is_cut_off_at_the_frame_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a frame has begun, all of it must arrive within the deadline however slowly it
+    trickles (before, each byte restarted the clock: one byte a second held a thread forever)."""
+    import socket
+    import threading
+    import time
+
+    from lmctl import protocol
+
+    monkeypatch.setattr(protocol, "FRAME_TIMEOUT", 0.6)
+    a, b = socket.socketpair()
+    frame = protocol.encode({"id": 1, "cmd": "status", "args": {}})
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in frame:
+            if stop.is_set():
+                return
+            try:
+                a.send(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(protocol.ProtocolError, match="within"):
+        protocol.read_frame(b, idle_timeout=5)
+    assert time.monotonic() - t0 < 2
+    stop.set()
+    c, d = socket.socketpair()
+    with pytest.raises(TimeoutError):  # an idle connection has its own deadline
+        protocol.read_frame(d, idle_timeout=0.2)
+    for s in (a, b, c, d):
+        s.close()
+
+
+def test_the_client_reconnects_when_the_daemon_closed_an_idle_connection(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    from lmctl import protocol
+    from lmctl.client import Client
+
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve() -> None:
+        first, _ = srv.accept()
+        protocol.read_frame(first)
+        protocol.send(first, {"id": 1, "ok": True, "result": {"n": 1}})
+        first.close()  # idle for too long: the daemon hangs up
+        second, _ = srv.accept()
+        msg = protocol.read_frame(second)
+        assert msg is not None
+        protocol.send(second, {"id": msg["id"], "ok": True, "result": {"n": 2}})
+        second.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = Client(path, timeout=10)
+    assert c.call("status") == {"n": 1}
+    assert c.call("status") == {"n": 2}  # the kept connection was closed: made anew, once
+    t.join(5)
+    c.close()
+    srv.close()
+
+
+def test_connection_cap_nesting_idle_clients_and_huge_folders(tmp_path: Path) -> None:
+    import json
+    import socket
+    import struct
+    import time
+
+    from test_daemon import Daemon, cli, fill
+
+    from lmctl import protocol
+    from lmctl.daemon import MAX_CLIENTS
+
+    fill(tmp_path / "store")
+    d = Daemon(tmp_path / "store")
+    d.start()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CLIENTS):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.sock))
+            held.append(s)
+        time.sleep(0.5)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.settimeout(10)
+        extra.connect(str(d.sock))
+        r = protocol.read_frame(extra, 10)
+        assert r is not None and "busy" in r["error"]["message"]
+        extra.close()
+        assert d.proc is not None
+        threads = int(next(line.split()[1] for line in open(f"/proc/{d.proc.pid}/status")
+                           if line.startswith("Threads:")))
+        assert threads <= MAX_CLIENTS + 8  # one per client, no more
+        for s in held[:8]:
+            s.close()
+        held = held[8:]
+        time.sleep(0.3)
+        # deeply nested JSON: an error reply, and the daemon serves on
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(str(d.sock))
+        body = b"[" * 200_000 + b"]" * 200_000
+        s.sendall(struct.pack(">2sBxI", b"LM", protocol.VERSION, len(body)) + body)
+        r = protocol.read_frame(s, 10)
+        assert r is not None and "nested too deeply" in r["error"]["message"]
+        s.close()
+        r2 = cli(d, "--json", "status")
+        assert r2.returncode == 0 and json.loads(r2.stdout)["daemon"]["clients"] >= 1
+        # a folder that is no adapter is not walked (it was: all of /usr, for seconds)
+        t0 = time.monotonic()
+        r3 = cli(d, "ls", "--adapter", "/usr")
+        assert r3.returncode == 2 and "not an adapter folder" in r3.stderr
+        assert time.monotonic() - t0 < 20
+        # SIGTERM with idle clients connected stops at once, not after a wait per client
+        t0 = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        for s in held:
+            s.close()
+        if d.proc is not None:
+            d.stop()
