@@ -209,10 +209,14 @@ def supports_direct_io(directory: str) -> bool:
 class SegmentIO:
     """Reads and writes records in the segment files of one tier directory."""
 
-    def __init__(self, directory: str, direct: bool | None = None, fd_cache: int = 64) -> None:
+    def __init__(self, directory: str, direct: bool | None = None, fd_cache: int = 64,
+                 readonly: bool = False) -> None:
         self.dir = directory
-        make_private_dir(directory)  # 0700 whatever the umask
-        self.direct = supports_direct_io(directory) if direct is None else direct
+        if readonly:  # reads only: nothing is created, and buffered reads need no probe file
+            self.direct = False if direct is None else direct
+        else:
+            make_private_dir(directory)  # 0700 whatever the umask
+            self.direct = supports_direct_io(directory) if direct is None else direct
         self.pool = AlignedPool()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-io")
         self._fds: OrderedDict[int, int] = OrderedDict()

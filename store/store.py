@@ -289,7 +289,7 @@ class Store:
             if name in self.config.tiers:
                 cfg = self.config.tiers[name]
                 d = cfg.path or os.path.join(self.path, name)
-                self._tiers[name] = _TierState(name, TIER_IDS[name], cfg, SegmentIO(d))
+                self._tiers[name] = _TierState(name, TIER_IDS[name], cfg, SegmentIO(d, readonly=readonly))
         if not readonly:
             fixed = tighten(self.path, [st.io.dir for st in self._tiers.values()])
             if fixed:
@@ -303,11 +303,22 @@ class Store:
 
     # -- environment -------------------------------------------------------------
     def _open_env(self) -> None:
-        self._env = lmdb.open(
-            os.path.join(self.path, "index"), map_size=MAP_SIZE, max_dbs=16, metasync=False,
-            sync=True, readahead=False, max_readers=512, readonly=False,
-            mode=DIR_MODE,  # the index folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
-        )
+        index = os.path.join(self.path, "index")
+        if self.readonly:
+            try:
+                self._env = lmdb.open(index, map_size=MAP_SIZE, max_dbs=16, readahead=False, max_readers=512,
+                                      readonly=True, create=False)
+            except lmdb.Error:
+                # a read-only filesystem: no lock file can be written, and no writer can
+                # exist either, so read without LMDB's reader table
+                self._env = lmdb.open(index, map_size=MAP_SIZE, max_dbs=16, readahead=False, readonly=True,
+                                      create=False, lock=False)
+        else:
+            self._env = lmdb.open(
+                index, map_size=MAP_SIZE, max_dbs=16, metasync=False,
+                sync=True, readahead=False, max_readers=512, readonly=False,
+                mode=DIR_MODE,  # the index folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
+            )
         self._db_meta = self._env.open_db(b"meta")
         self._db_chunks = self._env.open_db(b"chunks")
         self._db_lru = self._env.open_db(b"lru")

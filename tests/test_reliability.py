@@ -215,3 +215,25 @@ def test_connection_cap_nesting_idle_clients_and_huge_folders(tmp_path: Path) ->
             s.close()
         if d.proc is not None:
             d.stop()
+
+
+def test_a_read_only_store_serves_lookups_on_a_read_only_filesystem(small_disk: Path) -> None:
+    """A store copied to (or mounted from) read-only media: lookups and reads work (before,
+    opening it failed: LMDB wanted its lock file, the tiers wanted their folders)."""
+    fmt = KVFormat("uint8", num_layers=1, num_kv_heads=1, head_dim=1, chunk_size=16)
+    ns = Namespace("m", fmt)
+    tokens = list(range(16 * 6))
+    keys = ns.chunk_keys(tokens)
+    with Store(small_disk / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
+        s.register_namespace(ns, {"model_id": "m"})
+        for k in keys:
+            s.put(k, content(k, 8192), {"dtype": "uint8"}, tokens=16)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        with Store(small_disk / "s", readonly=True) as ro:
+            assert ro.lookup(ns, tokens).hit_tokens == 16 * 6
+            c = ro.get(keys[3])
+            assert c is not None and bytes(c.data) == content(keys[3], 8192)
+            assert ro.stats()["tiers"]["nvme"]["chunks"] == 6
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=False)
