@@ -1002,7 +1002,7 @@ class Store:
             if used > high_watermark * st.cfg.capacity:
                 with self._lock:
                     out["evicted"] += self._enforce_capacity(name, 0, trim=True)
-        out["segments_forgotten"] = len(self.forget_missing_segments())
+        out["segments_forgotten"] = sum(p.kind == "missing-segment" for p in self.forget_missing_segments())
         segs, reclaimed = self.compact()
         out["segments_compacted"] += segs
         out["bytes_reclaimed"] += reclaimed
@@ -1472,9 +1472,12 @@ class Store:
         problems: list[Problem] = []
         with self._read() as txn:
             segs = [(_BE64.unpack(k)[0], Segment.unpack(v)) for k, v in txn.cursor(db=self._db_segs)]
+        absent = self._absent_tiers(segs)
+        for name in absent:
+            problems.append(Problem("tier-unavailable", self._absent_message(name)))
         for sid, s in segs:
             st = self._tiers.get(TIER_NAMES.get(s.tier, ""))
-            if st is None or s.state != SEG_SEALED or os.path.exists(st.io.path(sid)):
+            if st is None or st.name in absent or s.state != SEG_SEALED or os.path.exists(st.io.path(sid)):
                 continue
             n = self._forget_segment(st, sid)
             if n is not None:
@@ -1482,6 +1485,43 @@ class Store:
                                         f"its {n} chunk(s) were dropped from the index", True))
                 log.warning("segment %d of tier %s vanished; dropped its %d chunk(s) from the index", sid, st.name, n)
         return problems
+
+    TIER_MARKER = ".lmctl-tier"
+
+    def _mark_tiers(self, segs: list[tuple[int, Segment]]) -> None:
+        """Put a marker file in each tier folder that is really the tier's: a new tier, or one
+        where at least one registered segment file is. A folder without it (an unmounted
+        disk's empty mount point, a moved folder) is never taken for lost segments."""
+        for st in self._tiers.values():
+            marker = os.path.join(st.io.dir, self.TIER_MARKER)
+            if os.path.exists(marker):
+                continue
+            mine = [sid for sid, s in segs if s.tier == st.tid]
+            if mine and not any(os.path.exists(st.io.path(sid)) for sid in mine):
+                continue
+            try:
+                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.fchmod(fd, 0o600)
+                    os.write(fd, f"lmctl tier {st.name} of the store at {self.path}\n".encode())
+                finally:
+                    os.close(fd)
+            except FileExistsError:
+                pass
+
+    def _absent_tiers(self, segs: list[tuple[int, Segment]]) -> set[str]:
+        """Tiers whose folder is not the tier's (no marker, see ``_mark_tiers``): an
+        unmounted disk or a moved folder, not lost segments. Their entries are never dropped
+        for that."""
+        absent = {st.name for st in self._tiers.values()
+                  if not os.path.exists(os.path.join(st.io.dir, self.TIER_MARKER))}
+        for name in absent:
+            log.error("%s", self._absent_message(name))
+        return absent
+
+    def _absent_message(self, name: str) -> str:
+        return (f"tier {name}: none of its segment files is in {self._tiers[name].io.dir}; is its disk mounted, "
+                "or did its folder move? Its chunks are kept in the index until it is back")
 
     def _forget_segment(self, st: _TierState, sid: int) -> int | None:
         """Forget a registered sealed segment whose file is gone, and every entry in it."""
@@ -1507,15 +1547,18 @@ class Store:
 
     def recover(self) -> list[Problem]:
         """Seal segments whose writer died; drop registrations of vanished files."""
+        with self._read() as txn:
+            self._mark_tiers([(_BE64.unpack(k)[0], Segment.unpack(v)) for k, v in txn.cursor(db=self._db_segs)])
         problems: list[Problem] = self.forget_missing_segments()
         unlink: list[tuple[str, int]] = []
 
         with self._read() as txn:
             segs = [(_BE64.unpack(k)[0], Segment.unpack(v)) for k, v in txn.cursor(db=self._db_segs)]
+        absent = self._absent_tiers(segs)
         for sid, s in segs:
             tname = TIER_NAMES.get(s.tier)
             st = self._tiers.get(tname or "")
-            if st is None or s.state != SEG_OPEN or sid == st.open_seg:
+            if st is None or st.name in absent or s.state != SEG_OPEN or sid == st.open_seg:
                 continue
             path = st.io.path(sid)
             try:
@@ -1642,10 +1685,14 @@ class Store:
             entries = [(bytes(k), Entry.unpack(v)) for k, v in txn.cursor(db=self._db_chunks)]
             segs = {_BE64.unpack(k)[0]: Segment.unpack(v) for k, v in txn.cursor(db=self._db_segs)}
         bad: list[tuple[bytes, Entry]] = []
+        absent = self._absent_tiers(list(segs.items()))
+        problems.extend(Problem("tier-unavailable", self._absent_message(name)) for name in sorted(absent))
         for i, (key, e) in enumerate(entries):
             if progress:
                 progress(i + 1, len(entries))
             st = self._tiers.get(e.tier_name)
+            if st is not None and st.name in absent:
+                continue  # never drop a whole tier's chunks because its folder is not there
             if st is None or e.seg not in segs:
                 problems.append(Problem("dangling-entry", f"chunk {short_key(key)} points to missing segment {e.seg}"))
                 bad.append((key, e))

@@ -206,7 +206,8 @@ def test_a_loose_store_is_tightened_when_its_owner_opens_it_for_writing(
     tightened = [r for r in caplog.records if "private" in r.getMessage()]
     assert len(tightened) == 1
     msg = tightened[0].getMessage()
-    assert "made 8 files and folders" in msg and "index (0755)" in msg and "notes.txt (0666)" in msg
+    # the store's folders and files, the two tier markers included
+    assert "made 10 files and folders" in msg and "index (0755)" in msg and "notes.txt (0666)" in msg
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lmctl.store"):
         with Store(root):

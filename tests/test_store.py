@@ -271,7 +271,7 @@ def test_compaction_reclaims_evicted_space(make_store: MakeStore) -> None:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
     assert store.check(deep=True) == []
-    used = sum(os.path.getsize(Path(store.path) / "nvme" / f) for f in os.listdir(Path(store.path) / "nvme"))
+    used = sum(os.path.getsize(p) for p in (Path(store.path) / "nvme").glob("seg-*.lseg"))
     assert used == st["tiers"]["nvme"]["disk_bytes"]  # what is on disk is what is counted
 
 
@@ -491,3 +491,29 @@ def test_a_vanished_segment_stops_being_a_hit(make_store: MakeStore, ns: Namespa
     assert store.locate(gone) == [None] * len(gone)
     assert all(t == "nvme" for k, t in zip(keys, store.locate(keys), strict=True) if k not in gone)
     assert [p for p in store.check() if not p.fixed] == []  # counters and usage match the index
+
+
+def test_a_tier_whose_folder_is_not_there_keeps_its_chunks(make_store: MakeStore, ns: Namespace,
+                                                           tmp_path: Path) -> None:
+    """An unmounted disk or a moved tier folder looks like every segment vanished. Neither
+    opening the store, maintenance nor verify --fix may drop the tier's chunks for that (before,
+    verify --fix dropped every entry, irreversibly); once the folder is back, all is there."""
+    store = make_store(segment_bytes=1 * MiB)
+    keys = ns.chunk_keys(list(range(16 * 40)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.close()
+    tier = Path(tmp_path / "store" / "nvme")
+    aside = tmp_path / "nvme-aside"
+    tier.rename(aside)  # the disk is not mounted
+    store = make_store(segment_bytes=1 * MiB)
+    assert store.maintain()["segments_forgotten"] == 0
+    problems = store.check(fix=True)
+    assert "tier-unavailable" in {p.kind for p in problems}
+    assert not all(p.fixed for p in problems)  # verify says it is not fine
+    store.close()
+    shutil.rmtree(tier)
+    aside.rename(tier)  # mounted again
+    store = make_store(segment_bytes=1 * MiB)
+    assert store.locate(keys) == ["nvme"] * len(keys)
+    assert [p for p in store.check(deep=True) if not p.fixed] == []
