@@ -36,6 +36,8 @@ import lmdb
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_IDS, TIER_NAMES, TIER_ORDER, StoreConfig, TierConfig
 from .errors import DiskFullError, PinBudgetError, StoreError
+from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
+from .journal import MetaJournal, replay
 from .keys import DTYPE_SIZES, KEY_BYTES, Namespace, NamespaceRecord
 from .private import DIR_MODE, SALT_KEY_BYTES, make_private_dir, salt_digest, tighten
 from .segment import (
@@ -281,8 +283,16 @@ class Store:
             make_private_dir(self.path)
             make_private_dir(os.path.join(self.path, "index"))
         self._open_env()
+        self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
+        # an index that is new while a journal exists: the index was lost; its settings,
+        # salt key, namespaces and pins come back from the journal, its chunks from the segments
+        restore = None
+        if self._journal is not None and self._index_is_new() and self._journal.size():
+            restore = replay(self._journal.records())
+            if config is None and restore["config"]:
+                config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
-        self._salt_key = self._load_salt_key()
+        self._salt_key = self._load_salt_key(None if restore is None else restore["salt_key"])
         self.codec = Codec(self.config.codec_level)
         self._tiers: dict[str, _TierState] = {}
         for name in TIER_ORDER:
@@ -298,6 +308,8 @@ class Store:
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
             self.recover()
+            if restore is not None or (self._index_is_empty() and self._segment_files()):
+                self._restore(restore)
             for name in self._tiers:
                 self._enforce_capacity(name, 0)
 
@@ -375,7 +387,11 @@ class Store:
             with self._read() as txn:
                 raw = txn.get(b"config", db=self._db_meta)
                 return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
-        return self._write(load)
+        was_new = self._index_is_new()
+        cfg = self._write(load)
+        if was_new or config is not None:
+            self._journal_add("config", config=cfg.to_json())
+        return cfg
 
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacity, budgets, codec) and apply them now."""
@@ -390,6 +406,7 @@ class Store:
                                  "stop every process that uses the store and move the folder first")
         with self._lock:
             self._write(lambda txn: txn.put(b"config", config.to_json().encode(), db=self._db_meta))
+            self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
             for name in TIER_ORDER:
@@ -423,7 +440,76 @@ class Store:
         return _U64.unpack(raw)[0] if raw else 0
 
     # -- namespaces --------------------------------------------------------------
-    def _load_salt_key(self) -> bytes | None:
+    # -- the metadata journal (store/journal.py) ------------------------------------
+    def _index_is_new(self) -> bool:
+        with self._read() as txn:
+            return txn.get(b"config", db=self._db_meta) is None
+
+    def _index_is_empty(self) -> bool:
+        with self._read() as txn:
+            return txn.stat(self._db_chunks)["entries"] == 0 and txn.stat(self._db_segs)["entries"] == 0
+
+    def _segment_files(self) -> bool:
+        return any(st.io.segment_ids() for st in self._tiers.values())
+
+    def _journal_add(self, op: str, **fields: Any) -> None:
+        if self._journal is None:
+            return
+        try:
+            self._journal.append(op, **fields)
+        except OSError as exc:  # the index holds the change; only a later rebuild would miss it
+            log.warning("could not add to the metadata journal %s: %s", self._journal.path, exc)
+
+    def _restore(self, state: dict[str, Any] | None) -> None:
+        """After the index was lost: chunks from the segments, then what the journal kept."""
+        found = self.rebuild_index() if self._segment_files() else 0
+        if state is None:
+            log.warning("store %s: the index was missing; rebuilt %d chunk(s) from the segment files. No "
+                        "metadata journal: pins, labels, namespace records and settings could not be restored",
+                        self.path, found)
+            return
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for nid, doc in state["namespaces"].items():
+                txn.put(bytes.fromhex(nid), json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
+
+        self._write(fn)
+        pinned = failed = 0
+        for label, entry in state["labels"].items():
+            keys = [bytes.fromhex(k) for k in entry["keys"]]
+            try:
+                pinned += self.pin(label, keys, expected_bytes=int(entry.get("expected", 0)), journal=False)
+            except StoreError as exc:
+                failed += 1
+                log.warning("could not restore the pins of label %r: %s", label, exc)
+        log.warning("store %s: the index was missing; rebuilt %d chunk(s) from the segment files and restored "
+                    "from the metadata journal: the settings, %d namespace record(s), %d label(s) with %d pin(s)%s",
+                    self.path, found, len(state["namespaces"]), len(state["labels"]) - failed, pinned,
+                    f"; {failed} label(s) could not be pinned again" if failed else "")
+
+    def _journal_snapshot(self) -> list[bytes]:
+        recs = [MetaJournal.encode("config", config=self.config.to_json())]
+        if self._salt_key is not None:
+            recs.append(MetaJournal.encode("salt_key", key=self._salt_key.hex()))
+        with self._read() as txn:
+            for k, v in txn.cursor(db=self._db_ns):
+                recs.append(MetaJournal.encode("ns", id=bytes(k).hex(), doc=json.loads(bytes(v))))
+            labels: dict[str, list[str]] = {}
+            for k in txn.cursor(db=self._db_labels).iternext(values=False):
+                lb, _, key = bytes(k).partition(b"\0")
+                labels.setdefault(lb.decode(), []).append(key.hex())
+        for name, hexkeys in labels.items():
+            recs.append(MetaJournal.encode("pin", label=name, keys=hexkeys))
+        return recs
+
+    def compact_journal(self, force: bool = False) -> bool:
+        """Rewrite the journal as a snapshot of the index once it has grown large."""
+        if self._journal is None or (not force and self._journal.size() < JOURNAL_COMPACT_BYTES):
+            return False
+        self._journal.replace(self._journal_snapshot)
+        return True
+
+    def _load_salt_key(self, restored: str | None = None) -> bytes | None:
         """The store's secret key for salt digests, made once (in the index, 0600) when the
         store is first opened for writing. Namespace records written before salts were kept
         as digests hold the salt itself: they are rewritten here, once."""
@@ -432,11 +518,16 @@ class Store:
                 raw = txn.get(b"salt_key", db=self._db_meta)
                 return None if raw is None else bytes(raw)
 
+        made: list[bytes] = []
+
         def fn(txn: lmdb.Transaction) -> tuple[bytes, int]:
             raw = txn.get(b"salt_key", db=self._db_meta)
-            key = os.urandom(SALT_KEY_BYTES) if raw is None else bytes(raw)
-            if raw is None:
+            if raw is not None:
+                key = bytes(raw)
+            else:
+                key = bytes.fromhex(restored) if restored else os.urandom(SALT_KEY_BYTES)
                 txn.put(b"salt_key", key, db=self._db_meta)
+                made.append(key)
             legacy = []
             for k, v in txn.cursor(db=self._db_ns):
                 doc = json.loads(bytes(v))
@@ -449,6 +540,8 @@ class Store:
             return key, len(legacy)
 
         key, migrated = self._write(fn)
+        if made:
+            self._journal_add("salt_key", key=key.hex())
         if migrated:
             log.warning("rewrote %d namespace records of store %s to keep keyed digests of cache salts "
                         "instead of the salts", migrated, self.path)
@@ -468,19 +561,23 @@ class Store:
         doc: dict[str, Any] = {"namespace": ns.record(self.salt_digest(ns.cache_salt)), "info": info or {},
                "updated": time.time()}
 
-        def fn(txn: lmdb.Transaction) -> None:
+        def fn(txn: lmdb.Transaction) -> bool:
             old = txn.get(ns.ns_id, db=self._db_ns)
+            changed = old is None
             if old is not None:
                 prev = json.loads(bytes(old))
+                same = prev.get("info") == doc["info"] and prev.get("namespace") == doc["namespace"]
                 # "updated" is also when an engine last used the namespace (engines record
                 # theirs every few minutes): eviction retires fingerprints nobody uses
-                if (prev.get("info") == doc["info"] and prev.get("namespace") == doc["namespace"]
-                        and doc["updated"] - float(prev.get("updated", 0)) < 60):
-                    return
+                if same and doc["updated"] - float(prev.get("updated", 0)) < 60:
+                    return False
                 doc["info"] = {**prev.get("info", {}), **doc["info"]}
+                changed = doc["info"] != prev.get("info") or doc["namespace"] != prev.get("namespace")
             txn.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self._db_ns)
+            return changed
 
-        self._write(fn)
+        if self._write(fn):
+            self._journal_add("ns", id=ns.ns_id.hex(), doc=doc)
         return ns.ns_id
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
@@ -1003,6 +1100,10 @@ class Store:
                 with self._lock:
                     out["evicted"] += self._enforce_capacity(name, 0, trim=True)
         out["segments_forgotten"] = sum(p.kind == "missing-segment" for p in self.forget_missing_segments())
+        try:
+            self.compact_journal()
+        except OSError as exc:
+            log.warning("could not compact the metadata journal: %s", exc)
         segs, reclaimed = self.compact()
         out["segments_compacted"] += segs
         out["bytes_reclaimed"] += reclaimed
@@ -1314,7 +1415,8 @@ class Store:
         self._write(fn)
 
     # -- pins --------------------------------------------------------------------
-    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False) -> int:
+    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False,
+            journal: bool = True) -> int:
         """Pin ``keys`` under ``label``; keys need not be stored yet.
 
         ``expected_bytes`` is what each not-yet-stored chunk will take on disk; it
@@ -1362,9 +1464,12 @@ class Store:
             return added
 
         try:
-            return self._write(fn)
+            added = self._write(fn)
         except _RolledBack as rb:
             return rb.value
+        if added and journal:
+            self._journal_add("pin", label=label, keys=[k.hex() for k in keys], expected=int(expected_bytes))
+        return added
 
     def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
         """Drop ``label``'s pins on ``keys`` (all of the label's keys when None).
@@ -1404,7 +1509,10 @@ class Store:
                     txn.put(key, _PIN.pack(refs, reserved), db=self._db_pins)
             return removed
 
-        return self._write(fn)
+        removed = self._write(fn)
+        if removed:
+            self._journal_add("unpin", label=label, keys=None if keys is None else [k.hex() for k in keys])
+        return removed
 
     def pin_refs(self, key: bytes) -> int:
         with self._read() as txn:
@@ -1840,6 +1948,8 @@ class Store:
                 self._close_retired(st)
                 st.io.close()
             self._env.close()
+            if self._journal is not None:
+                self._journal.close()
         self._closed = True
 
     def __enter__(self) -> Store:

@@ -281,8 +281,9 @@ def test_index_rebuilt_from_segments_alone(make_store: MakeStore, tmp_path: Path
     store.close()
     shutil.rmtree(tmp_path / "store" / "index")
     store = make_store(tmp_path / "store", segment_bytes=1 * MiB)
-    assert store.locate(keys[:1]) == [None]
-    assert store.rebuild_index() == 60
+    # opening a store whose index is gone rebuilds it from the segments at once
+    assert store.locate(keys) == ["nvme"] * 60
+    assert store.rebuild_index() == 0  # nothing left to find
     for k in keys:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
@@ -517,3 +518,58 @@ def test_a_tier_whose_folder_is_not_there_keeps_its_chunks(make_store: MakeStore
     store = make_store(segment_bytes=1 * MiB)
     assert store.locate(keys) == ["nvme"] * len(keys)
     assert [p for p in store.check(deep=True) if not p.fixed] == []
+
+
+def test_a_lost_index_comes_back_with_its_pins_labels_namespaces_and_settings(tmp_path: Path) -> None:
+    """The metadata journal beside the index: a store whose index was deleted reopens with
+    its chunks (from the segments) and its pins, labels, namespace records, salt key and
+    settings (a tier in its own folder included: before, its segments became invisible)."""
+    dram = tmp_path / "elsewhere"
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=512 * MiB, pin_budget=0.25),
+                             "dram": TierConfig(capacity=64 * MiB, path=str(dram))},
+                      segment_bytes=1 * MiB, codec="zstd-shuffle", retire_after_s=123.0)
+    salted = Namespace("m", SMALL_FMT, cache_salt="tenant-7")
+    plain = Namespace("m", SMALL_FMT)
+    path = tmp_path / "s"
+    with Store(path, cfg) as s:
+        s.register_namespace(plain, {"model_id": "m", "tokenizer": "tok"})
+        s.register_namespace(salted, {"model_id": "m"})
+        keys = plain.chunk_keys(list(range(16 * 6)))
+        for k in keys:
+            s.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+        s.rewrite(keys[4:], tier="dram")
+        s.pin("contracts", keys[:3])
+        s.pin("later", plain.chunk_keys(list(range(900, 900 + 16 * 2))), expected_bytes=8192)  # not stored yet
+        s.pin("gone", keys[3:4])
+        s.unpin("gone")
+        digest = s.salt_digest("tenant-7")
+        records = s.namespaces()
+    shutil.rmtree(path / "index")
+    with Store(path) as s:
+        assert s.config.to_json() == cfg.to_json()
+        assert s.locate(keys) == ["nvme"] * 4 + ["dram"] * 2
+        assert sorted(s.labels()) == ["contracts", "later"]
+        assert [s.pin_refs(k) for k in keys] == [1, 1, 1, 0, 0, 0]
+        assert s.salt_digest("tenant-7") == digest
+        assert {k: (d["namespace"], d["info"]) for k, d in s.namespaces().items()} == \
+            {k: (d["namespace"], d["info"]) for k, d in records.items()}
+        assert [p for p in s.check(deep=True) if not p.fixed] == []
+        # compaction of the journal keeps the same state
+        assert s.compact_journal(force=True)
+    shutil.rmtree(path / "index")
+    with Store(path) as s:
+        assert sorted(s.labels()) == ["contracts", "later"] and s.salt_digest("tenant-7") == digest
+        assert s.locate(keys) == ["nvme"] * 4 + ["dram"] * 2
+
+
+def test_a_lost_index_without_a_journal_still_brings_the_chunks_back(tmp_path: Path, ns: Namespace) -> None:
+    path = tmp_path / "s"
+    with Store(path, StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)})) as s:
+        keys = ns.chunk_keys(list(range(16 * 3)))
+        for k in keys:
+            s.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+        s.pin("x", keys)
+    shutil.rmtree(path / "index")
+    os.unlink(path / "meta.journal")
+    with Store(path) as s:
+        assert s.locate(keys) == ["nvme"] * 3 and s.labels() == {}
