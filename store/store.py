@@ -315,6 +315,15 @@ class Store:
 
     # -- environment -------------------------------------------------------------
     def _open_env(self) -> None:
+        try:
+            self._open_lmdb()
+        except lmdb.Error as exc:
+            index = os.path.join(self.path, "index")
+            raise StoreError(f"the index at {index} cannot be opened ({type(exc).__name__}: {exc}); if it is "
+                             "damaged, stop every process that uses the store and move that folder aside: the "
+                             "next open rebuilds it from the segment files and the metadata journal") from None
+
+    def _open_lmdb(self) -> None:
         index = os.path.join(self.path, "index")
         if self.readonly:
             try:

@@ -573,3 +573,19 @@ def test_a_lost_index_without_a_journal_still_brings_the_chunks_back(tmp_path: P
     os.unlink(path / "meta.journal")
     with Store(path) as s:
         assert s.locate(keys) == ["nvme"] * 3 and s.labels() == {}
+
+
+def test_a_damaged_index_is_one_clear_error_then_rebuilt_when_moved_aside(tmp_path: Path, ns: Namespace) -> None:
+    path = tmp_path / "s"
+    with Store(path, StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)})) as s:
+        keys = ns.chunk_keys(list(range(16 * 3)))
+        for k in keys:
+            s.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+        s.pin("x", keys[:1])
+    data = path / "index" / "data.mdb"
+    data.write_bytes(os.urandom(64 * 1024))  # fault injection: the index is garbage
+    with pytest.raises(StoreError, match="move that folder aside"):
+        Store(path)
+    (path / "index").rename(tmp_path / "index.damaged")
+    with Store(path) as s:
+        assert s.locate(keys) == ["nvme"] * 3 and s.labels() == {"x": keys[:1]}
