@@ -6,4 +6,8 @@ bash scripts/setup.sh
 echo "lint: ruff + mypy" >&2
 .venv/bin/ruff check --quiet .
 .venv/bin/mypy --no-error-summary store lmctl engine_hook
+if [ $# -eq 0 ]; then
+    echo "reliability suite: stress/reliability.py --quick (kills, bit flips, a full disk, hostile frames, concurrent clients)" >&2
+    .venv/bin/python stress/reliability.py --quick 2>/dev/null
+fi
 exec .venv/bin/python -m pytest -q "$@"

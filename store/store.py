@@ -58,6 +58,8 @@ log = logging.getLogger("lmctl.store")
 T = TypeVar("T")
 
 MAP_SIZE = 64 << 30
+#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
+MAX_CHUNK_BYTES = 1 << 34
 FORMAT_VERSION = 1
 
 # chunks: key -> entry (+ layout JSON)
@@ -97,9 +99,26 @@ class Entry:
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Entry:
-        f = _ENTRY.unpack_from(raw, 0)
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[11], f[12],
-                   json.loads(bytes(raw[_ENTRY.size:]) or b"{}"), f[10])
+        try:
+            f = _ENTRY.unpack_from(raw, 0)
+            layout = json.loads(bytes(raw[_ENTRY.size:]) or b"{}")
+        except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            raise CorruptEntry(f"unreadable index entry: {exc}") from None
+        if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not isinstance(layout, dict):
+            raise CorruptEntry(f"index entry names tier {f[9]} and codec {f[8]}")
+        if not (0 <= f[11] < 1.8e10 and 0 <= f[12] < 1.8e10):  # NaN fails too
+            raise CorruptEntry("index entry has impossible times")
+        if max(f[2], f[3], f[4]) >= MAX_CHUNK_BYTES or f[1] % ALIGN or f[2] % ALIGN:
+            raise CorruptEntry("index entry has impossible lengths or offsets")
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[11], f[12], layout, f[10])
+
+    @classmethod
+    def read(cls, raw: bytes | memoryview) -> Entry | None:
+        """``unpack``, or None for an entry that cannot be decoded (a damaged index)."""
+        try:
+            return cls.unpack(raw)
+        except CorruptEntry:
+            return None
 
     @property
     def tier_name(self) -> str:
@@ -163,6 +182,8 @@ def trailer_mismatch(key: bytes, e: Entry, hdr: Any) -> str | None:
     LMDB keeps no checksums of its own, so every read checks the entry against the trailer."""
     layout = hdr.meta.get("layout", {}) if isinstance(hdr.meta, dict) else None
     tokens = hdr.meta.get("tokens", 0) if isinstance(hdr.meta, dict) else None
+    if e.rec_len != record_len(e.stored_len):
+        return "the record length"
     for what, ours, theirs in (("the key", key, hdr.key), ("the checksum", e.checksum, hdr.checksum),
                                ("the codec", e.codec, hdr.codec), ("the stored length", e.stored_len, hdr.stored_len),
                                ("the raw length", e.raw_len, hdr.raw_len), ("the layout", e.layout, layout),
@@ -207,6 +228,14 @@ class Problem:
     kind: str
     detail: str
     fixed: bool = False
+
+
+class IndexWriteError(StoreError):
+    """A write transaction of the index failed (nothing of it was committed)."""
+
+
+class CorruptEntry(StoreError):
+    """An index entry that cannot be decoded (LMDB keeps no checksums of its own)."""
 
 
 class _RolledBack(Exception):
@@ -368,6 +397,9 @@ class Store:
                 if attempt:
                     raise
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except lmdb.Error as exc:  # e.g. the index's disk is full: nothing was committed
+                raise IndexWriteError(f"the index at {os.path.join(self.path, 'index')} could not be written "
+                                      f"({exc}); is its disk full?") from None
         raise AssertionError("unreachable")
 
     def _read(self) -> lmdb.Transaction:
@@ -744,7 +776,11 @@ class Store:
                 self._add(txn, "payload_bytes", payload)
                 self._add(txn, "puts", sum(results))
 
-            self._write(commit)
+            try:
+                self._write(commit)
+            except StoreError:
+                self._release(st, plan)  # not indexed: give its space back (if the index can be written)
+                raise
             self._unlink(unlink)
             return results
 
@@ -858,8 +894,9 @@ class Store:
         if raw is None:
             return
         seg = Segment.unpack(raw)
-        seg.live_bytes -= e.rec_len
-        seg.live_count -= 1
+        # clamped: an index entry damaged on disk may overstate what it counted (recount fixes it)
+        seg.live_bytes = max(0, seg.live_bytes - e.rec_len)
+        seg.live_count = max(0, seg.live_count - 1)
         if seg.live_count <= 0 and seg.state == SEG_SEALED:
             txn.delete(_BE64.pack(e.seg), db=self._db_segs)
             self._add(txn, f"used:{tname}", -seg.size)
@@ -902,7 +939,7 @@ class Store:
 
         try:
             self._write(fn)
-        except lmdb.Error as exc:  # the index's own disk is full too: recovery recounts
+        except StoreError as exc:  # the index's own disk is full too: recovery recounts
             log.warning("could not give back the space of a failed write: %s", exc)
         for _seg, (off, fd) in start.items():
             try:
@@ -1053,9 +1090,9 @@ class Store:
                     if key in victims:
                         continue
                     raw = txn.get(key, db=self._db_chunks)
-                    if raw is None:
+                    e = None if raw is None else Entry.read(raw)
+                    if e is None:
                         continue
-                    e = Entry.unpack(raw)
                     victims[key] = e
                     freed += e.rec_len
                     retired += from_retired
@@ -1133,7 +1170,11 @@ class Store:
                     pin = txn.get(key, db=self._db_pins)
                     if pin is not None and _PIN.unpack(pin)[0] > 0:
                         continue
-                e = Entry.unpack(raw)
+                e = Entry.read(raw)
+                if e is None:  # a damaged entry: forget it (verify --fix recounts what it counted)
+                    txn.delete(key, db=self._db_chunks)
+                    n += 1
+                    continue
                 self._unindex_entry(txn, key, e, unlink)
                 n += 1
                 b += e.rec_len
@@ -1261,8 +1302,8 @@ class Store:
             if raw is None:
                 return None
             pin = txn.get(key, db=self._db_pins)
-        e = Entry.unpack(raw)
-        return self._chunk_info(key, e, _PIN.unpack(pin)[0] if pin else 0)
+        e = Entry.read(raw)
+        return None if e is None else self._chunk_info(key, e, _PIN.unpack(pin)[0] if pin else 0)
 
     @staticmethod
     def _chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
@@ -1280,7 +1321,7 @@ class Store:
         with self._read() as txn:
             for k in keys:
                 raw = txn.get(k, db=self._db_chunks)
-                out.append(None if raw is None else TIER_NAMES[raw[_ENTRY_TIER_OFF]])
+                out.append(None if raw is None else TIER_NAMES.get(raw[_ENTRY_TIER_OFF]))
         return out
 
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
@@ -1306,8 +1347,9 @@ class Store:
             if touch:
                 self._count_miss()
             return None
-        out = bytearray(Entry.unpack(raw).raw_len)
-        res = self.get_into(key, out, touch)
+        e = Entry.read(raw)
+        out = bytearray(e.raw_len if e is not None else 0)
+        res = self.get_into(key, out, touch)  # a damaged entry: dropped there, a miss
         if res is None:
             return None
         return Chunk(key, out, res.layout, res.tokens, res.tier, res.codec)
@@ -1326,7 +1368,13 @@ class Store:
             if raw is None:
                 self._count_miss(touch)
                 return None
-            e = Entry.unpack(raw)
+            try:
+                e = Entry.unpack(raw)
+            except CorruptEntry as exc:
+                log.warning("dropping chunk %s: %s", short_key(key), exc)
+                self._drop_unreadable(key, bytes(raw))
+                self._count_miss(touch)
+                return None
             if len(dst) < e.raw_len:
                 raise StoreError(f"output buffer of {len(dst)} bytes is smaller than the chunk ({e.raw_len})")
             st = self._tiers.get(e.tier_name)
@@ -1386,6 +1434,18 @@ class Store:
         with self._lock:
             self._write(fn)
             self._unlink(unlink)
+
+    def _drop_unreadable(self, key: bytes, raw: bytes) -> None:
+        """Forget an index entry that cannot be decoded. What it counted is recounted by
+        ``check(fix=True)`` (the daemon's verify --fix): its location is unknown."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            if txn.get(key, db=self._db_chunks) == raw:
+                txn.delete(key, db=self._db_chunks)
+                self._add(txn, "corrupt", 1)
+
+        with self._lock:
+            self._write(fn)
 
     def _touch(self, key: bytes) -> None:
         with self._lock:
@@ -1549,7 +1609,9 @@ class Store:
                     return
                 key = bytes(k)
                 refs = _PIN.unpack(pins.value())[0] if pins.set_key(key) else 0
-                yield self._chunk_info(key, Entry.unpack(v), refs)
+                e = Entry.read(v)
+                if e is not None:
+                    yield self._chunk_info(key, e, refs)
 
     def stats(self) -> dict[str, Any]:
         if not self.readonly:
@@ -1784,8 +1846,9 @@ class Store:
                 if k[:8] != lo:
                     break
                 raw = txn.get(v, db=self._db_chunks)
-                if raw is not None:
-                    out.append((bytes(v), Entry.unpack(raw)))
+                e = None if raw is None else Entry.read(raw)
+                if e is not None:
+                    out.append((bytes(v), e))
         return out
 
     def check(self, fix: bool = False, deep: bool = False,
@@ -1799,11 +1862,22 @@ class Store:
         problems: list[Problem] = []
         unlink: list[tuple[str, int]] = []
         with self._read() as txn:
-            entries = [(bytes(k), Entry.unpack(v)) for k, v in txn.cursor(db=self._db_chunks)]
+            raw_entries = [(bytes(k), Entry.read(v)) for k, v in txn.cursor(db=self._db_chunks)]
+        unreadable = [k for k, e in raw_entries if e is None]
+        entries = [(k, e) for k, e in raw_entries if e is not None]
+        with self._read() as txn:
             segs = {_BE64.unpack(k)[0]: Segment.unpack(v) for k, v in txn.cursor(db=self._db_segs)}
         bad: list[tuple[bytes, Entry]] = []
         absent = self._absent_tiers(list(segs.items()))
         problems.extend(Problem("tier-unavailable", self._absent_message(name)) for name in sorted(absent))
+        def moved(key: bytes, e: Entry) -> bool:
+            """Whether the entry changed since the snapshot (compaction or a rewrite moved the
+            chunk, or it was evicted): then what looked wrong was the old place, not a problem."""
+            with self._read() as txn:
+                raw = txn.get(key, db=self._db_chunks)
+                cur = None if raw is None else Entry.read(raw)
+            return cur is None or (cur.seg, cur.off) != (e.seg, e.off)
+
         for i, (key, e) in enumerate(entries):
             if progress:
                 progress(i + 1, len(entries))
@@ -1811,10 +1885,14 @@ class Store:
             if st is not None and st.name in absent:
                 continue  # never drop a whole tier's chunks because its folder is not there
             if st is None or e.seg not in segs:
+                if moved(key, e):
+                    continue
                 problems.append(Problem("dangling-entry", f"chunk {short_key(key)} points to missing segment {e.seg}"))
                 bad.append((key, e))
                 continue
             if not os.path.exists(st.io.path(e.seg)):
+                if moved(key, e) or os.path.exists(st.io.path(e.seg)):
+                    continue
                 problems.append(Problem("missing-file", f"segment {e.seg} file is missing"))
                 bad.append((key, e))
                 continue
@@ -1825,6 +1903,8 @@ class Store:
                     if wrong:
                         raise CorruptRecord(f"the index and the record trailer disagree on {wrong}")
                 except (CorruptRecord, SegmentGone, ValueError, OverflowError) as exc:
+                    if moved(key, e):
+                        continue
                     problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
                     bad.append((key, e))
         if fix and bad:
@@ -1839,7 +1919,21 @@ class Store:
                 self._write(drop)
                 self._unlink(unlink)
             for p in problems:
-                p.fixed = True
+                if p.kind in ("dangling-entry", "missing-file", "corrupt-chunk"):
+                    p.fixed = True
+        for k in unreadable:
+            problems.append(Problem("unreadable-entry", f"chunk {short_key(k)}: its index entry cannot be decoded",
+                                    fix))
+        if fix and unreadable:
+            def forget(txn: lmdb.Transaction) -> None:
+                for k in unreadable:
+                    raw = txn.get(k, db=self._db_chunks)
+                    if raw is not None and Entry.read(raw) is None:
+                        txn.delete(k, db=self._db_chunks)
+                        self._add(txn, "corrupt", 1)
+
+            with self._lock:
+                self._write(forget)
         # files on disk that the index does not know
         if fix:
             problems.extend(self._remove_orphan_files())
@@ -1856,7 +1950,9 @@ class Store:
             want: dict[str, int] = {}
             seg_live: dict[int, list[int]] = {}
             for k, v in txn.cursor(db=self._db_chunks):
-                e = Entry.unpack(v)
+                e = Entry.read(v)
+                if e is None:
+                    continue  # reported (and with fix, dropped) by check
                 t = e.tier_name
                 want[f"live:{t}"] = want.get(f"live:{t}", 0) + e.rec_len
                 want[f"count:{t}"] = want.get(f"count:{t}", 0) + 1
