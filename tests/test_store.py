@@ -589,3 +589,34 @@ def test_a_damaged_index_is_one_clear_error_then_rebuilt_when_moved_aside(tmp_pa
     (path / "index").rename(tmp_path / "index.damaged")
     with Store(path) as s:
         assert s.locate(keys) == ["nvme"] * 3 and s.labels() == {"x": keys[:1]}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "tier", "offset", "huge-length", "time"])
+def test_an_undecodable_index_entry_is_a_miss_and_verify_fix_drops_it(make_store: MakeStore, ns: Namespace,
+                                                                       damage: str) -> None:
+    import struct as _struct
+
+    store = make_store()
+    keys = ns.chunk_keys(list(range(16 * 2)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    k = keys[0]
+    with store._env.begin(write=True) as txn:
+        raw = bytearray(txn.get(k, db=store._db_chunks))
+        if damage == "garbage":
+            raw = bytearray(b"\xff" * 40)  # too short, not JSON
+        elif damage == "tier":
+            raw[57] = 9
+        elif damage == "offset":
+            _struct.pack_into("<Q", raw, 8, 4096 * 3 + 17)
+        elif damage == "huge-length":
+            _struct.pack_into("<Q", raw, 32, 1 << 60)  # raw_len: get() allocated this
+        else:
+            _struct.pack_into("<d", raw, 64, float("nan"))
+        txn.put(k, bytes(raw), db=store._db_chunks)
+    assert store.get(k) is None and store.info(k) is None  # a miss, no exception
+    assert all(i.key != k for i in store.iter_chunks())
+    other = store.get(keys[1])
+    assert other is not None and bytes(other.data) == content(keys[1], SMALL_FMT.chunk_bytes)
+    store.check(fix=True)
+    assert [p for p in store.check(deep=True) if not p.fixed] == []
