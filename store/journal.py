@@ -128,7 +128,7 @@ class MetaJournal:
 def replay(records: Iterator[dict[str, Any]]) -> dict[str, Any]:
     """The metadata state the records describe: settings, salt key, namespace records and
     each label's keys (hex)."""
-    state: dict[str, Any] = {"config": None, "salt_key": None, "namespaces": {}, "labels": {}}
+    state: dict[str, Any] = {"config": None, "salt_key": None, "namespaces": {}, "labels": {}, "dropped": set()}
     for rec in records:
         op = rec.get("op")
         if op == "config":
@@ -137,6 +137,8 @@ def replay(records: Iterator[dict[str, Any]]) -> dict[str, Any]:
             state["salt_key"] = rec.get("key")
         elif op == "ns":
             state["namespaces"][rec["id"]] = rec["doc"]
+        elif op == "drop_segments":
+            state["dropped"].update(int(i) for i in rec.get("ids", []))
         elif op == "pin":
             entry = state["labels"].setdefault(rec["label"], {"keys": {}, "expected": 0})
             entry["expected"] = max(entry["expected"], int(rec.get("expected", 0)))

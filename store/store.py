@@ -503,7 +503,22 @@ class Store:
 
     def _restore(self, state: dict[str, Any] | None) -> None:
         """After the index was lost: chunks from the segments, then what the journal kept."""
+        if state is not None and state["dropped"]:
+            # segments the lost index had already dropped (their chunks evicted or moved): a
+            # kill before their unlink left them; they are not taken back
+            for st in self._tiers.values():
+                for sid in st.io.segment_ids():
+                    if sid in state["dropped"]:
+                        os.unlink(st.io.path(sid))
         found = self.rebuild_index() if self._segment_files() else 0
+        if state is not None and state["dropped"]:
+            top = max(state["dropped"])
+
+            def issued(txn: lmdb.Transaction) -> None:  # segment ids are never issued twice
+                if self._get_counter(txn, "next_segment") < top:
+                    txn.put(b"c:next_segment", _U64.pack(top), db=self._db_meta)
+
+            self._write(issued)
         if state is None:
             log.warning("store %s: the index was missing; rebuilt %d chunk(s) from the segment files. No "
                         "metadata journal: pins, labels, namespace records and settings could not be restored",
@@ -905,6 +920,9 @@ class Store:
             txn.put(_BE64.pack(e.seg), seg.pack(), db=self._db_segs)
 
     def _unlink(self, unlink: list[tuple[str, int]]) -> None:
+        if unlink:
+            # a rebuild after a lost index must not take these back, should a kill leave one
+            self._journal_add("drop_segments", ids=sorted({sid for _t, sid in unlink}))
         for tname, seg_id in unlink:
             st = self._tiers[tname]
             st.io.forget(seg_id)

@@ -11,6 +11,8 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   the index counts.
 * flips: flip one random bit of a chunk's payload, of its record trailer, or of its index
   entry; every read returns the exact bytes or a miss, never other bytes.
+* index: delete the index, or damage it (one clear error, then moved aside): the next open
+  rebuilds it with its chunks, pins and settings.
 * full-disk: fill a loop-mounted 85 MB filesystem under a tier whose capacity is larger
   (root only: skipped with a message elsewhere); writes fail with DiskFullError, no chunk
   is evicted for it, usage equals the disk, and writes resume when space returns.
@@ -45,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from store import DiskFullError, MiB, Store, StoreConfig, TierConfig  # noqa: E402
+from store import DiskFullError, MiB, Store, StoreConfig, StoreError, TierConfig  # noqa: E402
 from store.store import IndexWriteError  # noqa: E402
 from stress.common import content, key  # noqa: E402
 
@@ -195,6 +197,49 @@ def scenario_flips(work: Path, n: int) -> Tally:
     t.check(not problems, f"problems left after verify --fix: {problems}")
     s.close()
     t.facts.update(wrong_bytes=wrong, detected_as_corrupt=detected, harmless_flips=harmless)
+    return t
+
+
+# -- a lost or damaged index ----------------------------------------------------------------------
+def scenario_index(work: Path, n: int) -> Tally:
+    t = Tally("index")
+    rng = random.Random(3)
+    size = 32 << 10
+    lost_chunks = lost_pins = 0
+    for trial in range(n):
+        path = work / f"index{trial}"
+        keys = [key(trial * 1000 + i) for i in range(40)]
+        with Store(path, StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB, pin_budget=0.4)},
+                                     segment_bytes=1 * MiB, codec="zstd-shuffle")) as s:
+            for k in keys:
+                s.put(k, content(k, size), {"dtype": "uint8"})
+            s.pin("docs", keys[:10])
+            s.evict(keys[30:])
+        if trial % 2:  # damaged: one clear error, then moved aside
+            data = path / "index" / "data.mdb"
+            with open(data, "r+b") as f:
+                f.seek(rng.randrange(0, 8192))
+                f.write(os.urandom(4096))
+            try:
+                Store(path).close()
+            except Exception as exc:
+                t.check(isinstance(exc, StoreError), f"a damaged index raised {type(exc).__name__}: {exc}")
+            shutil.move(str(path / "index"), str(work / f"index{trial}.damaged"))
+        else:
+            shutil.rmtree(path / "index")
+        t.trials += 1
+        with Store(path) as s:
+            back = s.locate(keys[:30])
+            lost_chunks += back.count(None)
+            lost_pins += sum(1 for k in keys[:10] if s.pin_refs(k) != 1)
+            t.check(s.config.codec == "zstd-shuffle" and s.config.tiers["nvme"].pin_budget == 0.4,
+                    "settings were not restored")
+            t.check(all(bytes(c.data) == content(k, size) for k in keys[:30] if (c := s.get(k)) is not None),
+                    "wrong bytes after a rebuild")
+            t.check(not [p for p in s.check(deep=True) if not p.fixed], "problems after a rebuild")
+            t.check(on_disk(s) == s.stats()["tiers"]["nvme"]["disk_bytes"], "usage differs from the disk")
+    t.check(lost_chunks == 0 and lost_pins == 0, f"{lost_chunks} chunks and {lost_pins} pins lost in rebuilds")
+    t.facts.update(chunks_lost=lost_chunks, pins_lost=lost_pins)
     return t
 
 
@@ -416,6 +461,7 @@ def main() -> int:
         ("kills", lambda w: scenario_kills(w, 40 if q else 200)),
         ("flips", lambda w: scenario_flips(w, 300 if q else 1500)),
         ("full-disk", lambda w: scenario_full_disk(w, 2 if q else 8)),
+        ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
     ]

@@ -620,3 +620,31 @@ def test_an_undecodable_index_entry_is_a_miss_and_verify_fix_drops_it(make_store
     assert other is not None and bytes(other.data) == content(keys[1], SMALL_FMT.chunk_bytes)
     store.check(fix=True)
     assert [p for p in store.check(deep=True) if not p.fixed] == []
+
+
+def test_a_rebuild_does_not_take_back_a_segment_the_lost_index_had_dropped(
+        make_store: MakeStore, ns: Namespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill between an eviction commit and the unlink leaves a segment file; if the index is
+    then lost too, the rebuild must not bring the evicted chunks back (the journal says the
+    segment was dropped)."""
+    store = make_store(segment_bytes=1 * MiB)
+    keys = ns.chunk_keys(list(range(16 * 200)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.close()
+    store = make_store(segment_bytes=1 * MiB)
+    first = store.info(keys[0])
+    assert first is not None
+    victims = [i.key for i in store.iter_chunks() if i.segment == first.segment]
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: None if str(p).endswith(".lseg") else real_unlink(p))
+    store.evict(victims)  # "killed" before the file went away
+    monkeypatch.undo()
+    path = Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg"
+    assert path.exists()
+    store.close()
+    shutil.rmtree(tmp_path / "store" / "index")  # and the index is lost
+    store = make_store(segment_bytes=1 * MiB)
+    assert store.locate(victims) == [None] * len(victims) and not path.exists()
+    rest = [k for k in keys if k not in victims]
+    assert store.locate(rest) == ["nvme"] * len(rest)
