@@ -99,7 +99,11 @@ def scenario_kills(work: Path, n: int) -> Tally:
                 _record(line, acked, evicting)
             time.sleep(rng.uniform(0.0, 0.15))
             p.send_signal(signal.SIGKILL)
-            rest, err = p.communicate(timeout=60)
+            p.wait(timeout=60)
+            # read through the same buffered file readline used (communicate() would read the
+            # raw pipe and miss lines readline had already buffered)
+            rest, err = p.stdout.read(), p.stderr.read() if p.stderr else ""
+            t.check(p.returncode == -signal.SIGKILL, f"{mode}: the worker died on its own: {err.strip()[-300:]}")
             for line in rest.splitlines():
                 _record(line, acked, evicting)
             t.trials += 1

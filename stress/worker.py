@@ -31,7 +31,7 @@ def main() -> None:
         store.put(k, content(k, size), {"dtype": "uint8"}, tokens=16)
         print(f"put {i}", flush=True)
         live.append(i)
-        if mode == "churn" and i % 4 == 3:
+        if mode == "churn" and i % 4 == 3 and len(live) > 3:
             old, live = live[:3], live[3:]
             for j in old:
                 print(f"evicting {j}", flush=True)
