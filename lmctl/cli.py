@@ -11,7 +11,6 @@ import functools
 import inspect
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import typer
 
 from . import __version__
 from .client import Client, RemoteError, Unreachable, default_socket
+from .units import parse_duration
 
 
 class Exit(IntEnum):
@@ -205,16 +205,6 @@ def _complete_names(kind: str) -> Callable[[str], list[str]]:
     return complete
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    m = _DURATION.match(text)
-    if not m:
-        raise typer.BadParameter(f"{text!r} is not a duration like 90s, 30m, 12h or 7d")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
-
-
 SELECTORS: list[inspect.Parameter] = [
     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
     for name, default, ann in [
@@ -298,8 +288,8 @@ def build_selector(v: dict[str, Any]) -> dict[str, Any]:
     if v.get("older_than") is not None:
         try:
             out["older_than"] = parse_duration(v["older_than"])
-        except typer.BadParameter as exc:
-            raise CommandError("usage", str(exc.message)) from None
+        except ValueError as exc:
+            raise CommandError("usage", str(exc)) from None
     docs = [k for k in ("text", "file", "tokens", "messages") if v.get(k) is not None]
     if len(docs) > 1:
         raise CommandError("usage", "give one document: --text, --file, --tokens or --messages")

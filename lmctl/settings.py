@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
-from store.config import TIER_ORDER, parse_capacity, parse_size
+from store.config import TIER_ORDER, parse_capacity, parse_size, parse_unit_size
+
+from .units import parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
@@ -24,19 +26,16 @@ TIER_KEYS = ("capacity", "path", "pin_budget")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group")
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-
-
-def parse_duration(value: Any, name: str = "duration") -> float:
-    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"`` or ``"2w"``."""
+def _duration(value: Any, name: str) -> float:
+    """Seconds: a number (TOML) or a duration like ``"12h"``."""
     if isinstance(value, bool):
         raise StoreError(f"{name} {value!r} is not a duration like 90s, 30m, 12h or 7d")
     if isinstance(value, (int, float)):
         return float(value)
-    m = _DURATION.match(str(value))
-    if not m:
-        raise StoreError(f"{name} {value!r} is not a duration like 90s, 30m, 12h or 7d")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+    try:
+        return parse_duration(str(value))
+    except ValueError as exc:
+        raise StoreError(f"{name}: {exc}") from None
 
 
 def _bool(value: Any, name: str) -> bool:
@@ -66,16 +65,6 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
     return n
 
 
-def _size(value: Any, name: str) -> int:
-    """A size: a unit is required (``500GiB``, ``4096B``), so a bare number, from the command
-    line or a config file, can never mean a few bytes by mistake."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) or (
-            isinstance(value, str) and re.fullmatch(r"\s*[\d.eE+-]+\s*", value)):
-        raise StoreError(f"{name} {value!r} has no unit: write it as a size like 500GiB or 1TB "
-                         f"(or {value}B if you really mean bytes)")
-    return parse_size(value)
-
-
 def _pin_budget(value: Any, name: str) -> float:
     """A fraction of the tier's capacity (0-1) or a size (``100GiB``)."""
     if isinstance(value, str) and re.search(r"[a-zA-Z]", value):
@@ -101,11 +90,11 @@ def _read_store_key(key: str, value: Any) -> Any:
     if key == "default_tier":
         return str(value)
     if key == "segment_bytes":
-        return _size(value, key)
+        return parse_unit_size(value, key)
     if key == "fsync":
         return _bool(value, key)
     if key in ("access_flush_s", "retire_after_s"):
-        secs = parse_duration(value, key)
+        secs = _duration(value, key)
         if secs < 0:
             raise StoreError(f"{key} must not be negative")
         return secs

@@ -98,16 +98,22 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
 MIN_CAPACITY = 16 << 20
 
 
-def parse_capacity(value: object, name: str = "capacity") -> int:
-    """A tier capacity from operator input: a size with a unit (``500GiB``, ``1TB``), at
-    least 16 MiB. A bare number is refused, so ``10`` can never mean ten bytes (and evict
-    the whole cache)."""
+def parse_unit_size(value: object, name: str) -> int:
+    """A size from operator input (command line, config file, connector settings): a unit is
+    required (``500GiB``, ``4096B``), so a bare number can never mean a few bytes by mistake."""
     if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
             isinstance(value, str) and re.fullmatch(r"\s*[\d.eE+-]+\s*", value)):
-        raise StoreError(f"{name} {value!r} has no unit: write it as a size like 500GiB or 1TB")
+        raise StoreError(f"{name} {value!r} has no unit: write it as a size like 500GiB or 1TB "
+                         f"(or {value}B if you really mean bytes)")
     if not isinstance(value, str):
         raise StoreError(f"{name} must be a size like 500GiB, not {value!r}")
-    n = parse_size(value)
+    return parse_size(value)
+
+
+def parse_capacity(value: object, name: str = "capacity") -> int:
+    """A tier capacity from operator input: a size with a unit, at least 16 MiB (a bare ``10``
+    would otherwise evict the whole cache)."""
+    n = parse_unit_size(value, name)
     if n < MIN_CAPACITY:
         raise StoreError(f"{name} {value!r} is too small: a tier needs at least 16MiB")
     return n
