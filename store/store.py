@@ -407,30 +407,26 @@ class Store:
         return self._env.begin(write=False, buffers=False)
 
     def _load_config(self, config: StoreConfig | None) -> StoreConfig:
-        def load(txn: lmdb.Transaction) -> StoreConfig:
+        def load(txn: lmdb.Transaction) -> tuple[StoreConfig, bool]:
+            """The settings, and whether they were written now (given, or a new index)."""
             raw = txn.get(b"config", db=self._db_meta)
             ver = txn.get(b"format_version", db=self._db_meta)
             if ver is not None and int(ver) != FORMAT_VERSION:
                 raise StoreError(f"store format {int(ver)} is not supported by this lmctl ({FORMAT_VERSION})")
-            if config is not None:
-                config.validate()
-                txn.put(b"config", config.to_json().encode(), db=self._db_meta)
-                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
-                return config
-            if raw is None:
-                cfg = StoreConfig()
-                txn.put(b"config", cfg.to_json().encode(), db=self._db_meta)
-                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
-                return cfg
-            return StoreConfig.from_json(bytes(raw))
+            if config is None and raw is not None:
+                return StoreConfig.from_json(bytes(raw)), False
+            cfg = config or StoreConfig()
+            cfg.validate()
+            txn.put(b"config", cfg.to_json().encode(), db=self._db_meta)
+            txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._db_meta)
+            return cfg, True
 
         if self.readonly:
             with self._read() as txn:
                 raw = txn.get(b"config", db=self._db_meta)
                 return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
-        was_new = self._index_is_new()
-        cfg = self._write(load)
-        if was_new or config is not None:
+        cfg, written = self._write(load)
+        if written:
             self._journal_add("config", config=cfg.to_json())
         return cfg
 
