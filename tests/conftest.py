@@ -4,7 +4,9 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,3 +78,32 @@ def flip_byte(store: Store, k: bytes, where: str = "payload") -> None:
         b = f.read(1)
         f.seek(pos)
         f.write(bytes([b[0] ^ 0x5A]))
+
+
+@contextmanager
+def fake_engine() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """A stand-in for an engine's OpenAI-compatible server on loopback: ``(url, requests)``,
+    each request its path and JSON body; every POST is answered ``{}``."""
+    import http.server
+    import json
+    import threading
+
+    requests: list[tuple[str, Any]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            requests.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a: object) -> None:
+            return
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", requests
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
-from conftest import ROOT
+from conftest import ROOT, fake_engine
 from test_daemon import TOKENS, Daemon, cj, cli, fill, tokens_file
 
 #: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
@@ -49,39 +47,27 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
     d = Daemon(tmp_path / "store")
     d.start()
 
-    class Engine(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a: object) -> None:
-            return
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Engine)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        doc = tokens_file(tmp_path, TOKENS + [1, 2, 3])
-        key = cj(d, "lookup", "--tokens", doc)["chunks"][0]["key"]
-        got = {
-            "error": json.loads(cli(d, "--json", "pin", "--tokens", doc).stdout),
-            "config": cj(d, "config", "set", "codec_level=1"),
-            "status": cj(d, "status"),
-            "lookup": cj(d, "lookup", "--tokens", doc),
-            "pin": cj(d, "pin", "--label", "contracts", "--tokens", doc),
-            "unpin": cj(d, "unpin", "--label", "contracts", "--key", key, "--dry-run"),
-            "evict": cj(d, "evict", "--unpinned", "--dry-run"),
-            "move": cj(d, "move", "--to", "dram", "--label", "contracts"),
-            "compress": cj(d, "compress", "--label", "contracts"),
-            "inspect": cj(d, "inspect"),
-            "inspect --key": cj(d, "inspect", "--key", key),
-            "ls": cj(d, "ls", "--limit", "1"),
-            "warm": cj(d, "warm", "--tokens", doc, "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}"),
-            "verify": cj(d, "verify"),
-        }
+        with fake_engine() as (url, _requests):
+            doc = tokens_file(tmp_path, TOKENS + [1, 2, 3])
+            key = cj(d, "lookup", "--tokens", doc)["chunks"][0]["key"]
+            got = {
+                "error": json.loads(cli(d, "--json", "pin", "--tokens", doc).stdout),
+                "config": cj(d, "config", "set", "codec_level=1"),
+                "status": cj(d, "status"),
+                "lookup": cj(d, "lookup", "--tokens", doc),
+                "pin": cj(d, "pin", "--label", "contracts", "--tokens", doc),
+                "unpin": cj(d, "unpin", "--label", "contracts", "--key", key, "--dry-run"),
+                "evict": cj(d, "evict", "--unpinned", "--dry-run"),
+                "move": cj(d, "move", "--to", "dram", "--label", "contracts"),
+                "compress": cj(d, "compress", "--label", "contracts"),
+                "inspect": cj(d, "inspect"),
+                "inspect --key": cj(d, "inspect", "--key", key),
+                "ls": cj(d, "ls", "--limit", "1"),
+                "warm": cj(d, "warm", "--tokens", doc, "--endpoint", url),
+                "verify": cj(d, "verify"),
+            }
     finally:
-        srv.shutdown()
         d.stop()
     assert set(got) == set(docs), f"documented JSON without a check, or the reverse: {set(got) ^ set(docs)}"
     for name, doc_json in docs.items():

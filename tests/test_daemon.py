@@ -11,7 +11,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +43,21 @@ def fill(path: Path, dram: bool = False) -> list[bytes]:
 
 
 class Daemon:
-    def __init__(self, store: Path, sock: Path | None = None) -> None:
+    """``lmctl serve`` on ``store`` (socket ``sock``), with ``extra`` options; ``command``
+    replaces the whole ``lmctl`` command line where a test needs another one."""
+
+    def __init__(self, store: Path, sock: Path | None = None, extra: Sequence[str] = (), *,
+                 command: Sequence[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.store = store
         self.sock = sock or store / "lmctl.sock"
+        self.command = list(command) if command is not None else [
+            "serve", "--store", str(store), "--socket", str(self.sock), "--maintenance-interval", "0.5", *extra]
+        self.env = env
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, wait: bool = True) -> subprocess.Popen[str]:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmctl.cli", "serve", "--store", str(self.store), "--socket", str(self.sock),
-             "--maintenance-interval", "0.5"], env=env_with_path(), stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", *self.command],
+                                     env=self.env or env_with_path(), stderr=subprocess.PIPE, text=True)
         if wait:
             end = time.time() + 30
             while time.time() < end:

@@ -4,18 +4,16 @@ library."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import flip_byte
+from conftest import fake_engine, flip_byte
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, env_with_path, fill, library, tokens_file
 
 from lmctl.cli import bash_completion_note
@@ -139,12 +137,8 @@ def _slow_daemon(tmp_path: Path) -> tuple[Daemon, dict[str, str]]:
     fill(tmp_path / "store")
     env = env_with_path()
     env["LMCTL_FAULT_JOB_STEP_DELAY"] = "0.5"  # fault injection: each progress step of a job is slow
-    d = Daemon(tmp_path / "store")
-    d.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(d.store), "--socket",
-                               str(d.sock)], env=env, stderr=subprocess.PIPE, text=True)
-    end = time.time() + 30
-    while not d.sock.exists() and time.time() < end:
-        time.sleep(0.05)
+    d = Daemon(tmp_path / "store", env=env)
+    d.start()
     return d, env
 
 
@@ -211,16 +205,12 @@ def test_one_daemon_per_store_whatever_the_socket(daemon: Daemon, tmp_path: Path
 def test_the_global_socket_option_applies_to_serve(tmp_path: Path) -> None:
     fill(tmp_path / "store")
     sock = tmp_path / "elsewhere.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "--socket", str(sock), "serve", "--store",
-                             str(tmp_path / "store")], env=env_with_path(), stderr=subprocess.PIPE, text=True)
+    d = Daemon(tmp_path / "store", sock, command=["--socket", str(sock), "serve", "--store", str(tmp_path / "store")])
+    d.start()  # waits for the daemon on the global option's socket
     try:
-        end = time.time() + 30
-        while not sock.exists() and time.time() < end:
-            time.sleep(0.05)
-        assert sock.exists() and not (tmp_path / "store" / "lmctl.sock").exists()
+        assert not (tmp_path / "store" / "lmctl.sock").exists()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert d.stop() == 0
 
 
 # -- serve: settings, --init, validation ----------------------------------------------------------
@@ -268,14 +258,11 @@ pin_budget = 0.25
 capacity = "64MiB"
 path = "{tmp_path / 'shm'}"
 ''')
-    d = Daemon(tmp_path / "new", tmp_path / "d.sock")
-    d.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(d.store), "--init",
-                               "--config", str(conf), "--capacity", "nvme=1GiB", "--pin-budget", "0.3"],
-                              env=env_with_path(), stderr=subprocess.PIPE, text=True)
+    d = Daemon(tmp_path / "new", tmp_path / "d.sock", command=[  # the socket comes from the config file
+        "serve", "--store", str(tmp_path / "new"), "--init", "--config", str(conf), "--capacity", "nvme=1GiB",
+        "--pin-budget", "0.3"])
+    d.start()
     try:
-        end = time.time() + 30
-        while not d.sock.exists() and time.time() < end:
-            time.sleep(0.05)
         shown = cj(d, "config", "show")["settings"]
         assert shown["codec"] == "zstd-shuffle" and shown["retire_after_s"] == 7200
         assert shown["tiers"]["nvme"]["capacity"] == GiB and shown["tiers"]["nvme"]["pin_budget"] == 0.3
@@ -420,30 +407,11 @@ def test_ls_of_every_chunk_streams_past_the_frame_limit(tmp_path: Path) -> None:
 
 # -- warm --endpoint ---------------------------------------------------------------------------
 def test_warm_endpoint_with_v1_posts_once_to_the_api(daemon: Daemon, tmp_path: Path) -> None:
-    paths: list[str] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            paths.append(self.path)
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a: object) -> None:
-            return
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
+    with fake_engine() as (url, requests):
         doc = tokens_file(tmp_path, OTHER + [7] * 40)  # the last 40 tokens are missing
-        url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-        r = cj(daemon, "warm", "--endpoint", url, "--tokens", doc)
-        assert paths == ["/v1/completions"]
-        assert r["prefill"]["endpoint"] == url[:-3] and r["to"] == "dram" and r["chunks"] == 2
-    finally:
-        srv.shutdown()
+        r = cj(daemon, "warm", "--endpoint", url + "/v1", "--tokens", doc)
+        assert [path for path, _body in requests] == ["/v1/completions"]
+        assert r["prefill"]["endpoint"] == url and r["to"] == "dram" and r["chunks"] == 2
 
 
 def test_warm_without_dram_reports_the_documented_json(tmp_path: Path) -> None:
@@ -524,31 +492,14 @@ def test_more_contradictions_and_unknown_names_are_usage_errors(daemon: Daemon, 
 
 
 def test_warm_checks_the_document_before_posting_and_names_the_one_model(daemon: Daemon, tmp_path: Path) -> None:
-    bodies: list[dict[str, object]] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a: object) -> None:
-            return
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
+    with fake_engine() as (url, requests):
         empty = tmp_path / "empty.json"
         empty.write_text("[]")
         r = cli(daemon, "warm", "--endpoint", url, "--messages", str(empty))
-        assert r.returncode == 2 and bodies == []  # refused before anything reached the engine
+        assert r.returncode == 2 and requests == []  # refused before anything reached the engine
         r = cli(daemon, "warm", "--endpoint", url, "--tokens", tokens_file(tmp_path, OTHER + [5] * 20))
         assert r.returncode == 0, r.stderr
-        assert len(bodies) == 1 and bodies[0]["model"] == "m"  # the store's one model
-    finally:
-        srv.shutdown()
+        assert len(requests) == 1 and requests[0][1]["model"] == "m"  # the store's one model
 
 
 def test_the_shell_takes_json_before_the_command(daemon: Daemon) -> None:

@@ -7,12 +7,9 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from typing import Any
 
 import lmdb
 import pytest
-from conftest import content, env_with_path
+from conftest import content
 from test_daemon import FMT, LAYOUT, Daemon, cj, cli, fill, tokens_file
 
 from lmctl.client import Client, RemoteError
@@ -291,28 +288,6 @@ def as_user(uid: int, gid: int, groups: list[int], sock: str) -> dict[str, Any]:
     return dict(json.loads(b"".join(chunks)))
 
 
-class SharedDaemon(Daemon):
-    def __init__(self, store: Path, sock: Path, extra: list[str]) -> None:
-        super().__init__(store, sock)
-        self.extra = extra
-
-    def start(self, wait: bool = True) -> subprocess.Popen[str]:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmctl.cli", "serve", "--store", str(self.store), "--init",
-             "--socket", str(self.sock),
-             *self.extra], env=env_with_path(), stderr=subprocess.PIPE, text=True)
-        end = time.time() + 30
-        while True:
-            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
-            assert time.time() < end, "daemon did not start"
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(self.sock))
-                return self.proc
-            except OSError:
-                time.sleep(0.05)
-
-
 def test_an_allowed_uid_connects_through_a_group_socket_and_others_are_denied(
         tmp_path: Path, users: dict[str, Any]) -> None:
     fill(tmp_path / "store")
@@ -321,7 +296,7 @@ def test_an_allowed_uid_connects_through_a_group_socket_and_others_are_denied(
         os.chown(run_dir, 0, users["gid"])
         os.chmod(run_dir, 0o750)  # only the group passes: as /run/lmctl with RuntimeDirectory
         sock = run_dir / "lmctl.sock"
-        d = SharedDaemon(tmp_path / "store", sock, ["--allow-uid", str(users["a"]), "--socket-mode", "0660",
+        d = Daemon(tmp_path / "store", sock, ["--init", "--allow-uid", str(users["a"]), "--socket-mode", "0660",
                                                     "--socket-group", users["group"]])
         d.start()
         try:
