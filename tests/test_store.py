@@ -406,24 +406,30 @@ def test_compress_records_its_level_and_rewrites_skip_the_same_form(make_store: 
     assert store.rewrite(keys, codec="raw")["skipped"] == 4
 
 
+def sealed_store(make_store: MakeStore, ns: Namespace, chunks: int) -> tuple[Store, list[bytes], list[bytes], Path]:
+    """A store holding ``chunks`` chunks in sealed 1 MiB segments (written, closed, reopened):
+    the store, every key, the keys in the first segment, and that segment's file."""
+    store = make_store(segment_bytes=1 * MiB)
+    keys = ns.chunk_keys(list(range(16 * chunks)))
+    for k in keys:
+        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
+    store.close()
+    store = make_store(segment_bytes=1 * MiB)
+    first = store.info(keys[0])
+    assert first is not None
+    in_first = [i.key for i in store.iter_chunks() if i.segment == first.segment]
+    return store, keys, in_first, Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg"
+
+
 def test_a_segment_forgotten_by_the_index_is_removed_when_its_unlink_was_lost(
         make_store: MakeStore, tmp_path: Path, ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process killed after an eviction commit and before the unlink leaves a segment file
     that the index no longer knows (fault injection: the unlink is skipped). Recovery removes
     it; it is never mistaken for a file that rebuild_index should take back."""
-    store = make_store(segment_bytes=1 * MiB)
-    keys = ns.chunk_keys(list(range(16 * 40)))
-    for k in keys:
-        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
-    store.close()
-    store = make_store(segment_bytes=1 * MiB)  # the segments are sealed now
-    first = store.info(keys[0])
-    assert first is not None
-    victims = [i.key for i in store.iter_chunks() if i.segment == first.segment]
+    store, keys, victims, path = sealed_store(make_store, ns, 40)
     monkeypatch.setattr(Store, "_unlink", lambda self, unlink: None)  # killed before the unlink
     store.evict(victims)
     monkeypatch.undo()
-    path = Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg"
     assert path.exists() and path.stat().st_size > 4096  # left behind, records and all
     store.close()
     store = make_store(segment_bytes=1 * MiB)  # recovery
@@ -472,16 +478,8 @@ def test_a_vanished_segment_stops_being_a_hit(make_store: MakeStore, ns: Namespa
     """A sealed segment file deleted by hand: its chunks must stop counting as stored (else
     the engine never saves them again and recomputes those prefixes forever), on the next
     read of one of them, at maintenance, or at the next open; usage follows."""
-    store = make_store(segment_bytes=1 * MiB)
-    keys = ns.chunk_keys(list(range(16 * 40)))
-    for k in keys:
-        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
-    store.close()
-    store = make_store(segment_bytes=1 * MiB)
-    first = store.info(keys[0])
-    assert first is not None
-    gone = [k for k in keys if store.info(k).segment == first.segment]  # type: ignore[union-attr]
-    os.unlink(Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg")
+    store, keys, gone, path = sealed_store(make_store, ns, 40)
+    os.unlink(path)
     if how == "read":
         assert store.get(gone[0]) is None
     elif how == "maintain":
@@ -627,20 +625,11 @@ def test_a_rebuild_does_not_take_back_a_segment_the_lost_index_had_dropped(
     """A kill between an eviction commit and the unlink leaves a segment file; if the index is
     then lost too, the rebuild must not bring the evicted chunks back (the journal says the
     segment was dropped)."""
-    store = make_store(segment_bytes=1 * MiB)
-    keys = ns.chunk_keys(list(range(16 * 200)))
-    for k in keys:
-        store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
-    store.close()
-    store = make_store(segment_bytes=1 * MiB)
-    first = store.info(keys[0])
-    assert first is not None
-    victims = [i.key for i in store.iter_chunks() if i.segment == first.segment]
+    store, keys, victims, path = sealed_store(make_store, ns, 200)
     real_unlink = os.unlink
     monkeypatch.setattr(os, "unlink", lambda p, *a, **k: None if str(p).endswith(".lseg") else real_unlink(p))
     store.evict(victims)  # "killed" before the file went away
     monkeypatch.undo()
-    path = Path(store.path) / "nvme" / f"seg-{first.segment:012d}.lseg"
     assert path.exists()
     store.close()
     shutil.rmtree(tmp_path / "store" / "index")  # and the index is lost
