@@ -117,7 +117,6 @@ class DaemonState:
     socket_path: str
     started: float = field(default_factory=time.time)
     jobs: dict[int, Job] = field(default_factory=dict)
-    clients: int = 0
     requests: int = 0
     errors: int = 0
     maintenance: dict[str, Any] = field(default_factory=dict)
@@ -272,8 +271,8 @@ class Daemon:
         self._ids = itertools.count(1)
         self._lockfd: int | None = None
         self._store_lockfd: int | None = None
-        self._busy: dict[socket.socket, Job | None] = {}
-        self._busy_lock = threading.Lock()
+        self._conns: dict[socket.socket, Job | None] = {}
+        self._conns_lock = threading.Lock()
 
     def _take_lock(self) -> None:
         """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
@@ -427,8 +426,8 @@ class Daemon:
         """Wake idle clients (they are hung up on) and let running jobs stop: each one is
         cancelled at its next progress step and answers its client with why. True when every
         client thread finished, so the store can be closed under no one."""
-        with self._busy_lock:
-            idle = [c for c, job in self._busy.items() if job is None]
+        with self._conns_lock:
+            idle = [c for c, job in self._conns.items() if job is None]
         for conn in idle:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -439,8 +438,8 @@ class Daemon:
             t.join(timeout=max(0.0, end - time.monotonic()))
         left = [t for t in threads if t.is_alive()]
         if left:
-            with self._busy_lock:
-                jobs = [j.cmd for j in self._busy.values() if j is not None]
+            with self._conns_lock:
+                jobs = [j.cmd for j in self._conns.values() if j is not None]
             log.error("%d request(s) (%s) did not stop within %.0f s; exiting without closing the store "
                       "(it is crash-safe)", len(left), ", ".join(jobs) or "reading", SHUTDOWN_GRACE_S)
             return False
@@ -470,10 +469,8 @@ class Daemon:
                     "code": "denied", "message": f"uid {uid} may not use this daemon (peer credentials)"}})
                 self._linger(conn)
                 return
-            with st.lock:
-                st.clients += 1
-            with self._busy_lock:
-                self._busy[conn] = None
+            with self._conns_lock:
+                self._conns[conn] = None
             try:
                 while not self._stop.is_set():
                     try:
@@ -489,10 +486,13 @@ class Daemon:
                         return
                     self._handle(conn, msg)
             finally:
-                with self._busy_lock:
-                    self._busy.pop(conn, None)
-                with st.lock:
-                    st.clients -= 1
+                with self._conns_lock:
+                    self._conns.pop(conn, None)
+
+    def _clients(self) -> int:
+        """Clients connected now (each one's running job, or None, is kept in ``_conns``)."""
+        with self._conns_lock:
+            return len(self._conns)
 
     def _busy_reply(self, conn: socket.socket, n: int) -> None:
         """Over the connection cap: one error reply, then hang up (never a thread)."""
@@ -550,8 +550,8 @@ class Daemon:
             set_caller(-1)
         with st.lock:
             st.jobs[job.id] = job
-        with self._busy_lock:
-            self._busy[conn] = job
+        with self._conns_lock:
+            self._conns[conn] = job
         try:
             result = op(st.store, args, job)
         except UsageError as exc:
@@ -569,9 +569,9 @@ class Daemon:
         finally:
             with st.lock:
                 st.jobs.pop(job.id, None)
-            with self._busy_lock:
-                if conn in self._busy:
-                    self._busy[conn] = None
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns[conn] = None
         self._reply(conn, rid, result)
 
     def _reply(self, conn: socket.socket, rid: Any, result: dict[str, Any]) -> None:
@@ -592,7 +592,7 @@ class Daemon:
         return {
             "daemon": {"version": __version__, "protocol": protocol.VERSION, "pid": os.getpid(),
                        "uptime_s": round(time.time() - st.started, 3), "socket": st.socket_path,
-                       "clients": st.clients, "requests": st.requests, "errors": st.errors,
+                       "clients": self._clients(), "requests": st.requests, "errors": st.errors,
                        "maintenance": st.maintenance},
             "store": {"path": st.store.path, "tiers": stats["tiers"], "counters": stats["counters"],
                       "write_amplification": round(stats["write_amplification"], 6),
