@@ -142,10 +142,10 @@ def steady_ingest(base: Path, size: int, capacity: int) -> dict[str, float]:
         st = store.stats()
     shutil.rmtree(sdir)
     return {
-        "write_amplification": st["write_amplification"],
-        "evicted": st["counters"]["evicted"],
-        "compacted_bytes": st["counters"]["compacted_bytes"],
-        "disk_bytes_at_end": st["tiers"]["nvme"]["disk_bytes"],
+        "write_amplification": st.write_amplification,
+        "evicted": st.counters["evicted"],
+        "compacted_bytes": st.counters["compacted_bytes"],
+        "disk_bytes_at_end": st.tiers["nvme"].disk_bytes,
         "capacity": capacity,
     }
 

@@ -89,9 +89,9 @@ def main() -> None:
                 store.get(k)
             store.flush()
         st = store.stats()
-        nv = st["tiers"]["nvme"]
-        print(f"   {time.perf_counter() - t0:.2f}s; evicted {st['counters']['evicted']}, "
-              f"on disk {nv['disk_bytes'] / MiB:.0f}/{nv['capacity'] / MiB:.0f} MiB")
+        nv = st.tiers["nvme"]
+        print(f"   {time.perf_counter() - t0:.2f}s; evicted {st.counters['evicted']}, "
+              f"on disk {nv.disk_bytes / MiB:.0f}/{nv.capacity / MiB:.0f} MiB")
         print(f"   pinned system prompt still cached: {store.lookup(spaces['base'], system).hit_tokens} tokens")
 
         print("\n4. a flipped byte on disk is a miss, never wrong KV")
@@ -129,7 +129,7 @@ def main() -> None:
         problems = store.check(deep=True)
         print(f"   deep verify: {'ok' if not problems else problems}")
         st = store.stats()
-        print(f"   write amplification {st['write_amplification']:.4f}")
+        print(f"   write amplification {st.write_amplification:.4f}")
     if not args.keep:
         shutil.rmtree(root)
     os.sync()

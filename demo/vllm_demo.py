@@ -129,9 +129,9 @@ def main() -> None:
     print("each adapter hits only its own chunks: the cold run of every adapter cached 0 tokens, "
           "although the base model had stored the same document")
     print(f"base model's answer: {answer.strip()!r}")
-    t = summary["tiers"]["nvme"]
-    print(f"\nstore: {t['chunks']} chunks, {t['bytes'] / 2**20:.1f} MiB in {t['segments']} segment file(s), "
-          f"write amplification {summary['write_amplification']:.4f}, "
+    t = summary.tiers["nvme"]
+    print(f"\nstore: {t.chunks} chunks, {t.bytes / 2**20:.1f} MiB in {t.segments} segment file(s), "
+          f"write amplification {summary.write_amplification:.4f}, "
           f"namespaces (model x adapter): {len(rows)}")
     print(f"look inside: .venv/bin/lmctl serve --store {store} &  then  export LMCTL_STORE={store}; "
           f".venv/bin/lmctl inspect; .venv/bin/lmctl lookup --model {SERVED_NAME} --messages {work / 'lease.json'}")

@@ -449,8 +449,8 @@ class Daemon:
         while not self._stop.wait(self.maintenance_s):
             try:
                 did = self.state.store.maintain()
-                self.state.maintenance = {**did, "at": time.time()}
-                if did["evicted"] or did["segments_compacted"]:
+                self.state.maintenance = {**did.to_dict(), "at": time.time()}
+                if did.evicted or did.segments_compacted:
                     log.info("maintenance: %s", did)
             except Exception as exc:
                 log.warning("maintenance failed: %s", exc)
@@ -594,8 +594,8 @@ class Daemon:
                        "uptime_s": round(time.time() - st.started, 3), "socket": st.socket_path,
                        "clients": self._clients(), "requests": st.requests, "errors": st.errors,
                        "maintenance": st.maintenance},
-            "store": {"path": st.store.path, "tiers": stats["tiers"], "counters": stats["counters"],
-                      "write_amplification": round(stats["write_amplification"], 6),
+            "store": {"path": st.store.path, "tiers": stats.to_dict()["tiers"], "counters": stats.counters,
+                      "write_amplification": round(stats.write_amplification, 6),
                       "codec": st.store.config.codec},
             "jobs": jobs,
         }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from store import AdapterIdentity, ChunkInfo, Namespace, Store, StoreError, adapter_digest, parse_key
-from store.store import short_key
+from store.keys import short_key
 
 from .errors import Cancelled, UsageError
 
@@ -425,8 +425,8 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         job.progress(start, total, "evicting")
         batch = victims[start : start + 256]
         got = store.evict([i.key for i in batch], force=force)
-        n += got[0]
-        b += got[1]
+        n += got.chunks
+        b += got.bytes
         pinned_removed += sum(1 for i in batch if i.pin_refs > 0)
     job.progress(total, total, "evicting")
     out.update(chunks=n, bytes=b, pinned_removed=pinned_removed if force else 0)
@@ -438,9 +438,8 @@ def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any)
     keys = list(dict.fromkeys(sel.keys))
     dry_run = _arg(args, "dry_run", bool, False)
     res = store.rewrite(keys, progress=lambda d, t: job.progress(d, t, what), dry_run=dry_run, **kw)
-    return {"chunks": res["chunks"], "bytes": res["bytes_before"], "bytes_before": res["bytes_before"],
-            "bytes_after": res["bytes_after"], "skipped": res["skipped"], "missing": res["missing"],
-            "dry_run": dry_run}
+    return {"chunks": res.chunks, "bytes": res.bytes_before, "bytes_before": res.bytes_before,
+            "bytes_after": res.bytes_after, "skipped": res.skipped, "missing": res.missing, "dry_run": dry_run}
 
 
 def op_move(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -561,15 +560,15 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         m["last_used"] = max(m["last_used"], r.updated)
         m["retired"] = m["retired"] and r.nid in retired
     labels = {label: len(ks) for label, ks in sorted(store.labels().items())}
-    tiers = {name: {"chunks": t["chunks"], "bytes": t["bytes"], "capacity": t["capacity"],
-                    "disk_bytes": t["disk_bytes"], "dead_bytes": t["dead_bytes"], "segments": t["segments"],
-                    "pinned_bytes": t["pinned_bytes"], "pin_budget": t["pin_budget"]}
-             for name, t in st["tiers"].items()}
+    tiers = {name: {"chunks": t.chunks, "bytes": t.bytes, "capacity": t.capacity,
+                    "disk_bytes": t.disk_bytes, "dead_bytes": t.dead_bytes, "segments": t.segments,
+                    "pinned_bytes": t.pinned_bytes, "pin_budget": t.pin_budget}
+             for name, t in st.tiers.items()}
     return {
         "chunks": sum(t["chunks"] for t in tiers.values()), "bytes": sum(t["bytes"] for t in tiers.values()),
         "tiers": tiers, "adapters": sorted(adapters.values(), key=lambda a: (a["model"], a["adapter"] or "")),
         "models": sorted(models.values(), key=lambda m: (m["model"], -m["last_used"])), "labels": labels,
-        "counters": st["counters"], "write_amplification": round(st["write_amplification"], 6),
+        "counters": st.counters, "write_amplification": round(st.write_amplification, 6),
     }
 
 
@@ -592,9 +591,9 @@ def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
 def check_pin_budgets(store: Store, cfg: Any) -> None:
     """Refuse settings that would leave a tier's pinned chunks over its pin budget."""
-    tiers = store.stats()["tiers"]
+    tiers = store.stats().tiers
     for name, t in cfg.tiers.items():
-        pinned = tiers.get(name, {}).get("pinned_bytes", 0)
+        pinned = tiers[name].pinned_bytes if name in tiers else 0
         if pinned > t.pin_budget_bytes:
             raise UsageError(f"tier {name} holds {pinned} pinned bytes, over the pin budget of "
                              f"{t.pin_budget_bytes} bytes these settings give; unpin first or give a larger "

@@ -4,7 +4,7 @@ The public API is re-exported here; see docs/architecture.md.
 """
 
 from .config import GiB, MiB, StoreConfig, TierConfig
-from .errors import CapacityError, DiskFullError, PinBudgetError, StoreError
+from .errors import CorruptEntry, DiskFullError, IndexWriteError, PinBudgetError, StoreError
 from .keys import (
     DEFAULT_CHUNK_SIZE,
     AdapterIdentity,
@@ -14,13 +14,28 @@ from .keys import (
     adapter_digest,
     chunk_keys,
     parse_key,
+    short_key,
 )
 from .shared import open_shared, release_shared
-from .store import Chunk, ChunkInfo, LookupResult, LRUPolicy, Problem, PutItem, Store
+from .store import Store
+from .types import (
+    Chunk,
+    ChunkInfo,
+    Compacted,
+    Evicted,
+    LookupResult,
+    MaintenanceResult,
+    Problem,
+    PutItem,
+    RewriteResult,
+    StoreStats,
+    TierStats,
+)
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "CapacityError", "DiskFullError", "Chunk", "ChunkInfo", "GiB",
-    "KVFormat", "LRUPolicy", "LookupResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem",
-    "PutItem", "Store", "StoreConfig", "StoreError", "TierConfig", "adapter_digest",
-    "chunk_keys", "open_shared", "parse_key", "release_shared",
+    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "DiskFullError",
+    "Evicted", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB", "Namespace",
+    "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig", "StoreError",
+    "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys", "open_shared", "parse_key",
+    "release_shared", "short_key",
 ]

@@ -12,7 +12,8 @@ from .errors import StoreError
 GiB = 1 << 30
 MiB = 1 << 20
 
-#: Read order of the local tiers, fastest first. ``remote`` comes with the Redis tier.
+#: The local tiers a store can have, fastest first (the order they are opened and listed in). A
+#: chunk is stored in exactly one tier and read from it. ``remote`` comes with the Redis tier.
 TIER_ORDER = ("dram", "nvme")
 TIER_IDS = {"dram": 0, "nvme": 1, "remote": 2}
 TIER_NAMES = {v: k for k, v in TIER_IDS.items()}
@@ -42,7 +43,9 @@ class StoreConfig:
     default_tier: str = "nvme"
     #: a segment is sealed once it reaches this size; compaction works segment by segment
     segment_bytes: int = 256 * MiB
-    #: fdatasync payloads and commit the index synchronously on every put batch
+    #: fdatasync each batch's segment files before the index commit that makes it visible; with
+    #: False a power loss may lose recent chunks (never make them wrong). The index commit itself
+    #: is synced either way
     fsync: bool = True
     #: codec for new chunks; "raw" keeps compression off the engine's hot path
     codec: str = "raw"

@@ -7,10 +7,6 @@ class StoreError(Exception):
     """Base class of every error the store raises on purpose."""
 
 
-class CapacityError(StoreError):
-    """A chunk cannot fit in its tier even after evicting every unpinned chunk."""
-
-
 class DiskFullError(StoreError):
     """The disk under a tier is full (ENOSPC): the chunks of that write were not stored and
     the space they had reserved was given back."""
@@ -20,5 +16,9 @@ class PinBudgetError(StoreError):
     """A pin would take a tier's pinned bytes over its pin budget."""
 
 
-class StoreLockedError(StoreError):
-    """Another process holds a resource that this operation needs."""
+class IndexWriteError(StoreError):
+    """A write transaction of the index failed (nothing of it was committed)."""
+
+
+class CorruptEntry(StoreError):
+    """An index entry that cannot be decoded (LMDB keeps no checksums of its own)."""

@@ -263,6 +263,12 @@ def chunk_keys(ns: Namespace, tokens: Sequence[int] | Iterable[int]) -> list[byt
     return keys
 
 
+def short_key(key: bytes) -> str:
+    """What tells two chunks apart in a message: the start of the chunk hash (a key's first
+    16 bytes are its namespace, the same for every chunk of a model and adapter)."""
+    return key[16:24].hex() if len(key) > 16 else key.hex()
+
+
 def key_hex(key: bytes) -> str:
     return key.hex()
 

@@ -64,9 +64,9 @@ SEG_MAGIC = b"LMCTLSEG"
 REC_VERSION = 1
 SEG_VERSION = 1
 _REC = struct.Struct("<8sHBBHHQQQdI12x")
-_SEG = struct.Struct("<8sHQd")
+_SEGMENT_HEADER = struct.Struct("<8sHQd")
 REC_FIXED = _REC.size  # 64
-HEADER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
+TRAILER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
 assert REC_FIXED == 64
 
 
@@ -79,7 +79,7 @@ def checksum(data: Buffer) -> int:
 
 
 def record_len(stored_len: int) -> int:
-    return HEADER_BLOCK + align_up(stored_len)
+    return TRAILER_BLOCK + align_up(stored_len)
 
 
 def is_aligned(view: memoryview) -> bool:
@@ -95,7 +95,7 @@ def segment_name(seg_id: int) -> str:
 
 
 @dataclass(frozen=True)
-class RecordHeader:
+class RecordTrailer:
     codec: int
     key: bytes
     meta: dict[str, Any]
@@ -103,11 +103,11 @@ class RecordHeader:
     raw_len: int
     checksum: int
     created: float
-    header_len: int
+    trailer_len: int
 
     @property
     def record_len(self) -> int:
-        return self.header_len + align_up(self.stored_len)
+        return self.trailer_len + align_up(self.stored_len)
 
     @property
     def trailer_offset(self) -> int:
@@ -115,7 +115,7 @@ class RecordHeader:
         return align_up(self.stored_len)
 
 
-def encode_header(
+def encode_trailer(
     key: bytes, codec: int, meta: dict[str, Any], stored_len: int, raw_len: int, csum: int,
     created: float,
 ) -> bytes:
@@ -124,14 +124,14 @@ def encode_header(
                      raw_len, csum, created, 0)
     crc = zlib.crc32(body[:48] + key + meta_b)
     body = body[:48] + struct.pack("<I", crc) + body[52:]
-    hdr = body + key + meta_b
-    if len(hdr) > HEADER_BLOCK:
-        raise StoreError(f"record header of {len(hdr)} bytes is over {HEADER_BLOCK}; shorten the metadata")
-    return hdr + b"\0" * (HEADER_BLOCK - len(hdr))
+    trailer = body + key + meta_b
+    if len(trailer) > TRAILER_BLOCK:
+        raise StoreError(f"record trailer of {len(trailer)} bytes is over {TRAILER_BLOCK}; shorten the metadata")
+    return trailer + b"\0" * (TRAILER_BLOCK - len(trailer))
 
 
-def decode_header(buf: Buffer) -> RecordHeader | None:
-    """Parse a record header at the start of ``buf``; None if it is not a valid header."""
+def decode_trailer(buf: Buffer) -> RecordTrailer | None:
+    """Parse a record trailer at the start of ``buf``; None if it is not a valid trailer."""
     mv = memoryview(buf)
     if len(mv) < REC_FIXED:
         return None
@@ -140,7 +140,7 @@ def decode_header(buf: Buffer) -> RecordHeader | None:
     if magic != REC_MAGIC or version != REC_VERSION:
         return None
     end = REC_FIXED + key_len + meta_len
-    if end > min(len(mv), HEADER_BLOCK):
+    if end > min(len(mv), TRAILER_BLOCK):
         return None
     key = bytes(mv[REC_FIXED : REC_FIXED + key_len])
     meta_b = bytes(mv[REC_FIXED + key_len : end])
@@ -150,7 +150,7 @@ def decode_header(buf: Buffer) -> RecordHeader | None:
         meta = json.loads(meta_b)
     except ValueError:
         return None
-    return RecordHeader(codec, key, meta, stored_len, raw_len, csum, created, HEADER_BLOCK)
+    return RecordTrailer(codec, key, meta, stored_len, raw_len, csum, created, TRAILER_BLOCK)
 
 
 class AlignedPool:
@@ -243,7 +243,7 @@ class SegmentIO:
             os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             buf[:ALIGN] = b"\0" * ALIGN
-            _SEG.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time())
+            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time())
             if os.pwrite(fd, memoryview(buf)[:ALIGN], 0) != ALIGN:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
         except BaseException:
@@ -259,15 +259,15 @@ class SegmentIO:
         return fd
 
     def write_record(self, fd: int, offset: int, payload: Buffer,
-                     make_header: Callable[[int], bytes]) -> tuple[int, int]:
+                     make_trailer: Callable[[int], bytes]) -> tuple[int, int]:
         """Append a record at ``offset`` and wait for it; returns (bytes written, checksum)."""
-        return self.start_write(fd, offset, payload, make_header).result()
+        return self.start_write(fd, offset, payload, make_trailer).result()
 
     def start_write(self, fd: int, offset: int, payload: Buffer,
-                    make_header: Callable[[int], bytes]) -> PendingWrite:
+                    make_trailer: Callable[[int], bytes]) -> PendingWrite:
         """Start appending a record at ``offset``: the payload, then its trailer.
 
-        ``make_header(checksum)`` builds the trailer once the payload's checksum is
+        ``make_trailer(checksum)`` builds the trailer once the payload's checksum is
         known; it goes out in the same write as the payload's last piece. The writes
         run on the I/O thread, so the caller can hash the next record meanwhile;
         ``result()`` waits for them. ``payload`` must stay unchanged until then.
@@ -277,8 +277,8 @@ class SegmentIO:
         body = align_up(n)
         hasher = xxhash.xxh3_64()
         zero_copy = self.direct and is_aligned(pay)
-        pw = PendingWrite(self.pool, body + HEADER_BLOCK)
-        trailer = self.pool.take(HEADER_BLOCK)
+        pw = PendingWrite(self.pool, body + TRAILER_BLOCK)
+        trailer = self.pool.take(TRAILER_BLOCK)
         pw.buffers.append(trailer)
         staging: list[mmap.mmap] = []
         inflight: list[Future[int] | None] = [None, None]
@@ -310,8 +310,8 @@ class SegmentIO:
                     views = [memoryview(buf)[:m]]
                 if i == len(spans) - 1:
                     pw.checksum = hasher.intdigest()
-                    trailer[:HEADER_BLOCK] = make_header(pw.checksum)
-                    views.append(memoryview(trailer)[:HEADER_BLOCK])
+                    trailer[:TRAILER_BLOCK] = make_trailer(pw.checksum)
+                    views.append(memoryview(trailer)[:TRAILER_BLOCK])
                 fut = self._io.submit(_pwritev_all, fd, [v for v in views if len(v)], offset + a)
                 pw.futures.append(fut)
                 if slot >= 0:
@@ -350,7 +350,7 @@ class SegmentIO:
             os.close(fd)
 
     def read_record(self, seg_id: int, offset: int, stored_len: int,
-                    dst: memoryview | None) -> RecordHeader:
+                    dst: memoryview | None) -> RecordTrailer:
         """Read a record's payload into ``dst[:stored_len]`` and verify it.
 
         With ``dst=None`` the payload is only verified. A page-aligned ``dst`` is read
@@ -366,7 +366,7 @@ class SegmentIO:
         direct_dst = dst is not None and self.direct and is_aligned(dst)
         spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
         size = min(READ_PIECE, max(body, ALIGN))
-        trailer = self.pool.take(HEADER_BLOCK)
+        trailer = self.pool.take(TRAILER_BLOCK)
         bufs = [self.pool.take(size), self.pool.take(size)]
         futs: list[Future[int]] = []
 
@@ -379,7 +379,7 @@ class SegmentIO:
         def fetch(k: int) -> Future[int]:
             views = [target(k)[0]]
             if k == len(spans) - 1:
-                views.append(memoryview(trailer)[:HEADER_BLOCK])
+                views.append(memoryview(trailer)[:TRAILER_BLOCK])
             f = self._io.submit(_preadv_all, fd, [v for v in views if len(v)], offset + spans[k][0])
             futs.append(f)
             return f
@@ -389,7 +389,7 @@ class SegmentIO:
             nxt = fetch(0)
             for k, (a, b) in enumerate(spans):
                 got = nxt.result()
-                want = b - a + (HEADER_BLOCK if k == len(spans) - 1 else 0)
+                want = b - a + (TRAILER_BLOCK if k == len(spans) - 1 else 0)
                 if got != want:
                     raise CorruptRecord(f"short read in segment {seg_id} at {offset + a}")
                 if k + 1 < len(spans):
@@ -399,14 +399,14 @@ class SegmentIO:
                 hasher.update(valid)
                 if dst is not None and not in_place:
                     dst[a : a + len(valid)] = valid
-            hdr = decode_header(memoryview(trailer)[:HEADER_BLOCK])
-            if hdr is None:
+            found = decode_trailer(memoryview(trailer)[:TRAILER_BLOCK])
+            if found is None:
                 raise CorruptRecord(f"bad record trailer in segment {seg_id} at {offset}")
-            if hdr.stored_len != stored_len:
+            if found.stored_len != stored_len:
                 raise CorruptRecord(f"record length mismatch in segment {seg_id} at {offset}")
-            if hasher.intdigest() != hdr.checksum:
+            if hasher.intdigest() != found.checksum:
                 raise CorruptRecord(f"checksum mismatch in segment {seg_id} at {offset}")
-            return hdr
+            return found
         finally:
             for f in futs:
                 f.exception()
@@ -414,8 +414,8 @@ class SegmentIO:
             for buf in bufs:
                 self.pool.give(buf)
 
-    def scan(self, seg_id: int, size: int | None = None) -> Iterator[tuple[int, RecordHeader]]:
-        """Yield (offset, header) for every record whose trailer is intact.
+    def scan(self, seg_id: int, size: int | None = None) -> Iterator[tuple[int, RecordTrailer]]:
+        """Yield (offset, trailer) for every record whose trailer is intact.
 
         Trailers sit at 4 KiB boundaries after their payload, so the scan reads the
         segment sequentially and tests each boundary; garbage between records (a torn
@@ -438,21 +438,21 @@ class SegmentIO:
                         break
                     if i % ALIGN == 0:
                         at = pos + i
-                        head = data[i : i + HEADER_BLOCK]
-                        if len(head) < HEADER_BLOCK:
-                            head = os.pread(f.fileno(), HEADER_BLOCK, at)
-                        hdr = decode_header(head)
-                        if hdr is not None:
-                            rec = at - hdr.trailer_offset
+                        head = data[i : i + TRAILER_BLOCK]
+                        if len(head) < TRAILER_BLOCK:
+                            head = os.pread(f.fileno(), TRAILER_BLOCK, at)
+                        trailer = decode_trailer(head)
+                        if trailer is not None:
+                            rec = at - trailer.trailer_offset
                             if rec >= start:
-                                yield rec, hdr
-                                start = at + HEADER_BLOCK
+                                yield rec, trailer
+                                start = at + TRAILER_BLOCK
                     i += 1
                 pos += len(data)
 
-    def verify_payload(self, seg_id: int, offset: int, hdr: RecordHeader) -> bool:
+    def verify_payload(self, seg_id: int, offset: int, trailer: RecordTrailer) -> bool:
         try:
-            self.read_record(seg_id, offset, hdr.stored_len, None)
+            self.read_record(seg_id, offset, trailer.stored_len, None)
             return True
         except CorruptRecord:
             return False
@@ -494,7 +494,7 @@ class PendingWrite:
 
 
 class CorruptRecord(StoreError):
-    """A record failed its header, length or checksum check."""
+    """A record failed its trailer, length or checksum check."""
 
 
 class SegmentGone(StoreError):

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from store import DiskFullError, MiB, Store, StoreConfig, StoreError, TierConfig  # noqa: E402
-from store.store import IndexWriteError  # noqa: E402
+from store.errors import IndexWriteError  # noqa: E402
 from stress.common import content, key  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -123,8 +123,8 @@ def scenario_kills(work: Path, n: int) -> Tally:
                     elif bytes(c.data) != content(key(i), size):
                         wrong += 1
                         t.check(False, f"{mode}: chunk {i} has wrong bytes")
-                st = s.stats()["tiers"]["nvme"]
-                t.check(st["disk_bytes"] == on_disk(s), f"{mode}: index counts {st['disk_bytes']} bytes, "
+                st = s.stats().tiers["nvme"]
+                t.check(st.disk_bytes == on_disk(s), f"{mode}: index counts {st.disk_bytes} bytes, "
                                                           f"the disk holds {on_disk(s)}")
     t.facts.update(acknowledged_chunks_checked=checked, lost=lost, wrong_bytes=wrong)
     return t
@@ -140,7 +140,7 @@ def _record(line: str, acked: set[int], evicting: set[int]) -> None:
 
 # -- bit flips -------------------------------------------------------------------------------
 def scenario_flips(work: Path, n: int) -> Tally:
-    from store.store import Entry
+    from store.index import Entry
 
     t = Tally("flips")
     rng = random.Random(11)
@@ -161,11 +161,11 @@ def scenario_flips(work: Path, n: int) -> Tally:
         assert info is not None
         where = ("payload", "trailer", "index")[trial % 3]
         if where == "index":
-            with s._env.begin(write=True) as txn:
-                raw = bytearray(txn.get(k, db=s._db_chunks) or b"")
+            with s._index.env.begin(write=True) as txn:
+                raw = bytearray(txn.get(k, db=s._index.chunks) or b"")
                 bit = rng.randrange(len(raw) * 8)
                 raw[bit // 8] ^= 1 << (bit % 8)
-                txn.put(k, bytes(raw), db=s._db_chunks)
+                txn.put(k, bytes(raw), db=s._index.chunks)
             try:
                 Entry.unpack(bytes(raw))
             except Exception:
@@ -241,7 +241,7 @@ def scenario_index(work: Path, n: int) -> Tally:
             t.check(all(bytes(c.data) == content(k, size) for k in keys[:30] if (c := s.get(k)) is not None),
                     "wrong bytes after a rebuild")
             t.check(not [p for p in s.check(deep=True) if not p.fixed], "problems after a rebuild")
-            t.check(on_disk(s) == s.stats()["tiers"]["nvme"]["disk_bytes"], "usage differs from the disk")
+            t.check(on_disk(s) == s.stats().tiers["nvme"].disk_bytes, "usage differs from the disk")
     t.check(lost_chunks == 0 and lost_pins == 0, f"{lost_chunks} chunks and {lost_pins} pins lost in rebuilds")
     t.facts.update(chunks_lost=lost_chunks, pins_lost=lost_pins)
     return t
@@ -279,9 +279,9 @@ def scenario_full_disk(work: Path, n: int) -> Tally:
                     fulls += 1
             t.trials += 1
             st = s.stats()
-            evicted += st["counters"]["evicted"]
+            evicted += st.counters["evicted"]
             lost += sum(1 for x in s.locate(acked) if x is None)
-            mismatched += st["tiers"]["nvme"]["disk_bytes"] != on_disk(s)
+            mismatched += st.tiers["nvme"].disk_bytes != on_disk(s)
             filler.unlink()  # the operator frees space; the store's own eviction works again
             s.evict(acked[: len(acked) // 2])
             s.compact(min_dead_ratio=0.0)

@@ -59,9 +59,9 @@ def test_kill_between_payload_and_index_commit(tmp_path: Path, mode: str) -> Non
     assert acked == {0, 1}
     store = assert_store_sound(tmp_path / "s", acked, size)
     assert not store.contains(key(2))  # written but never indexed: invisible
-    st = store.stats()["tiers"]["nvme"]
+    st = store.stats().tiers["nvme"]
     # recovery cut the unindexed tail: the disk holds exactly what the index counts
-    assert disk_usage(store) == st["disk_bytes"] == st["bytes"] + 4096
+    assert disk_usage(store) == st.disk_bytes == st.bytes + 4096
     # and the store keeps working where the writer left off
     assert store.put(key(2), content(key(2), size), {"dtype": "uint8"})
     store.close()
@@ -98,9 +98,9 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
         store.close()
         store = assert_store_sound(tmp_path / "s", present, size)
         store.compact(min_dead_ratio=0.0)
-        st = store.stats()["tiers"]["nvme"]
-        assert disk_usage(store) == st["disk_bytes"] <= 64 * MiB
-        assert st["dead_bytes"] == 0  # all space of torn writes reclaimed
+        st = store.stats().tiers["nvme"]
+        assert disk_usage(store) == st.disk_bytes <= 64 * MiB
+        assert st.dead_bytes == 0  # all space of torn writes reclaimed
         store.close()
 
 
@@ -143,8 +143,8 @@ def test_writer_and_reader_processes_at_once(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr.read() if p.stderr else ""
     assert wrong == 0
     assert reads > 20
-    assert reader.stats()["counters"]["corrupt"] == 0
+    assert reader.stats().counters["corrupt"] == 0
     reader.close()
     store = assert_store_sound(path, set(), size)
-    assert store.stats()["tiers"]["nvme"]["disk_bytes"] <= 48 * MiB
+    assert store.stats().tiers["nvme"].disk_bytes <= 48 * MiB
     store.close()

@@ -91,7 +91,7 @@ def test_compress_move_and_warm_keep_hits_and_access_times(daemon: Daemon, tmp_p
     keys = NS.chunk_keys(TOKENS)
     with library(daemon) as s:
         before = {k: (s.info(k).hits, s.info(k).last_access) for k in keys}  # type: ignore[union-attr]
-        counters = s.stats()["counters"]
+        counters = s.stats().counters
     time.sleep(1.2)
     cj(daemon, "pin", "--label", "doc", "--tokens", tokens_file(tmp_path, TOKENS))
     assert cj(daemon, "compress", "--label", "doc")["chunks"] == 4
@@ -101,7 +101,7 @@ def test_compress_move_and_warm_keep_hits_and_access_times(daemon: Daemon, tmp_p
     cj(daemon, "status")  # the daemon flushes its pending access times
     with library(daemon) as s:
         after = {k: (s.info(k).hits, s.info(k).last_access) for k in keys}  # type: ignore[union-attr]
-        now = s.stats()["counters"]
+        now = s.stats().counters
     assert after == before
     assert (now["hits"], now["misses"]) == (counters["hits"], counters["misses"])
     # so the chunks are still stale to evict --older-than
@@ -117,12 +117,12 @@ def test_compress_skips_what_is_already_in_that_form_and_reports_growth(daemon: 
     # the estimate is made by encoding sampled chunks: close to what compress then did
     assert abs(est["bytes_after"] - first["bytes_after"]) <= 0.1 * first["bytes_after"]
     with library(daemon) as s:
-        written = s.stats()["counters"]["written_bytes"]
+        written = s.stats().counters["written_bytes"]
     again = cj(daemon, "compress", "--model", "m")
     assert again["chunks"] == 0 and again["skipped"] == 6
     assert cj(daemon, "compress", "--model", "m", "--level", "3")["chunks"] == 6  # another level: rewritten
     with library(daemon) as s:
-        assert s.stats()["counters"]["written_bytes"] > written
+        assert s.stats().counters["written_bytes"] > written
     raw = cj(daemon, "compress", "--model", "m", "--codec", "raw")
     assert raw["chunks"] == 6 and raw["bytes_after"] > raw["bytes_before"] and raw["bytes_saved"] < 0
     r = cli(daemon, "compress", "--model", "m", "--codec", "zstd")
@@ -351,7 +351,7 @@ def test_evict_force_says_it_removed_pinned_chunks_and_budgets_stay_consistent(d
     assert cj(daemon, "verify")["ok"] is True  # counters (pinned bytes, reserved pin budget) agree with the index
     with library(daemon) as s:
         assert [s.pin_refs(k) for k in NS.chunk_keys(TOKENS)] == [1] * 4
-        assert s.stats()["tiers"]["nvme"]["pinned_bytes"] == 0
+        assert s.stats().tiers["nvme"].pinned_bytes == 0
 
 
 def test_key_columns_show_the_chunk_hash_not_the_namespace(daemon: Daemon, tmp_path: Path) -> None:

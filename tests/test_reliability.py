@@ -64,8 +64,8 @@ def test_a_full_disk_costs_misses_never_the_cached_chunks(small_disk: Path) -> N
     assert fulls == 20 and len(acked) > 20
     assert fds[-1] <= fds[1]  # failed writes and segment creations leak no file descriptors
     st = store.stats()
-    assert st["counters"]["evicted"] == 0  # no phantom usage drove eviction
-    assert st["tiers"]["nvme"]["disk_bytes"] == on_disk(store)  # the index counts what is on disk
+    assert st.counters["evicted"] == 0  # no phantom usage drove eviction
+    assert st.tiers["nvme"].disk_bytes == on_disk(store)  # the index counts what is on disk
     assert store.locate(acked) == ["nvme"] * len(acked)
     for k in acked[:: max(1, len(acked) // 8)]:
         c = store.get(k)
@@ -75,12 +75,12 @@ def test_a_full_disk_costs_misses_never_the_cached_chunks(small_disk: Path) -> N
     store.compact(min_dead_ratio=0.0)
     assert store.put(keys[-1], content(keys[-1], size), {"dtype": "uint8"}, tokens=16)
     assert [p for p in store.check(deep=True) if not p.fixed] == []
-    assert store.stats()["tiers"]["nvme"]["disk_bytes"] == on_disk(store)
+    assert store.stats().tiers["nvme"].disk_bytes == on_disk(store)
     store.close()
     # and a reopened store agrees
     with Store(small_disk / "s") as again:
         assert [p for p in again.check(deep=True) if not p.fixed] == []
-        assert again.stats()["tiers"]["nvme"]["disk_bytes"] == on_disk(again)
+        assert again.stats().tiers["nvme"].disk_bytes == on_disk(again)
 
 
 # -- a hostile or careless client ------------------------------------------------------------
@@ -234,6 +234,6 @@ def test_a_read_only_store_serves_lookups_on_a_read_only_filesystem(small_disk: 
             assert ro.lookup(ns, tokens).hit_tokens == 16 * 6
             c = ro.get(keys[3])
             assert c is not None and bytes(c.data) == content(keys[3], 8192)
-            assert ro.stats()["tiers"]["nvme"]["chunks"] == 6
+            assert ro.stats().tiers["nvme"].chunks == 6
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=False)

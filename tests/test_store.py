@@ -27,6 +27,7 @@ from store import (
     TierConfig,
 )
 from store.codec import Codec, shuffle, unshuffle
+from store.space import Space
 from store.tensors import pack, unpack
 
 MakeStore = Callable[..., Store]
@@ -121,7 +122,7 @@ def test_flipped_byte_is_a_miss_never_wrong_bytes(store: Store, codec: str, wher
     os.sync()
     assert store.get(keys[1]) is None
     assert not store.contains(keys[1])  # dropped from the index
-    assert store.stats()["counters"]["corrupt"] == 1
+    assert store.stats().counters["corrupt"] == 1
     for k in (keys[0], keys[2]):
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
@@ -132,13 +133,13 @@ def test_record_of_another_key_is_a_miss(store: Store) -> None:
     a, b = key(1), key(2)
     store.put(a, content(a, CHUNK), SMALL_LAYOUT)
     store.put(b, content(b, CHUNK), SMALL_LAYOUT)
-    from store.store import Entry
+    from store.index import Entry
 
-    with store._env.begin(write=True) as txn:
-        ea = Entry.unpack(txn.get(a, db=store._db_chunks))
-        eb = Entry.unpack(txn.get(b, db=store._db_chunks))
+    with store._index.env.begin(write=True) as txn:
+        ea = Entry.unpack(txn.get(a, db=store._index.chunks))
+        eb = Entry.unpack(txn.get(b, db=store._index.chunks))
         eb.seg, eb.off, eb.checksum = ea.seg, ea.off, ea.checksum
-        txn.put(b, eb.pack(), db=store._db_chunks)
+        txn.put(b, eb.pack(), db=store._index.chunks)
     assert store.get(b) is None
     c = store.get(a)
     assert c is not None and bytes(c.data) == content(a, CHUNK)
@@ -169,15 +170,15 @@ def test_capacity_eviction_and_pins_together(make_store: MakeStore) -> None:
             for h in hot:
                 assert store.get(h) is not None
             store.flush()
-        st = store.stats()["tiers"]["nvme"]
-        assert st["disk_bytes"] <= st["capacity"]
+        st = store.stats().tiers["nvme"]
+        assert st.disk_bytes <= st.capacity
     assert store.locate(pinned) == ["nvme"] * 5  # pinned chunks never evicted
     assert store.locate(hot) == ["nvme"] * 5  # LRU keeps recently used chunks
     assert store.locate([key(200), key(201)]) == [None, None]  # old, cold chunks went first
     for k in pinned:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
-    assert store.stats()["counters"]["evicted"] > 100
+    assert store.stats().counters["evicted"] > 100
     assert store.check(deep=True) == []
 
 
@@ -226,8 +227,8 @@ def test_capacity_enforced_right_after_restart(make_store: MakeStore, tmp_path: 
     store.pin("keep", keys[:5])
     store.close()
     store = make_store(tmp_path / "store", capacity=30 * per, segment_bytes=64 * per)
-    st = store.stats()["tiers"]["nvme"]
-    assert st["disk_bytes"] <= 30 * per
+    st = store.stats().tiers["nvme"]
+    assert st.disk_bytes <= 30 * per
     assert store.locate(keys[:5]) == ["nvme"] * 5
     assert store.check(deep=True) == []
 
@@ -235,18 +236,18 @@ def test_capacity_enforced_right_after_restart(make_store: MakeStore, tmp_path: 
 def test_chunk_larger_than_tier_is_dropped_not_raised(make_store: MakeStore) -> None:
     store = make_store(capacity=2 * MiB)
     assert store.put(key(1), b"x" * (3 * MiB), {"dtype": "uint8"}) is False
-    assert store.stats()["counters"]["rejected_full"] == 1
+    assert store.stats().counters["rejected_full"] == 1
 
 
 # -- restart, compaction, rebuild --------------------------------------------------
 def test_warm_restart_keeps_every_chunk(make_store: MakeStore, tmp_path: Path) -> None:
     store = make_store(segment_bytes=1 * MiB)
     keys = fill(store, 150)  # spans several segments
-    before = store.stats()["tiers"]["nvme"]
+    before = store.stats().tiers["nvme"]
     store.close()
     store = make_store(tmp_path / "store", segment_bytes=1 * MiB)
-    after = store.stats()["tiers"]["nvme"]
-    assert after["chunks"] == before["chunks"] == 150
+    after = store.stats().tiers["nvme"]
+    assert after.chunks == before.chunks == 150
     for k in keys:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
@@ -258,21 +259,21 @@ def test_compaction_reclaims_evicted_space(make_store: MakeStore) -> None:
     keys = fill(store, 200)
     store.evict(keys[::2])  # half of every segment dies
     st = store.stats()
-    dead_before = st["tiers"]["nvme"]["dead_bytes"]
-    disk_before = st["tiers"]["nvme"]["disk_bytes"]
+    dead_before = st.tiers["nvme"].dead_bytes
+    disk_before = st.tiers["nvme"].disk_bytes
     assert dead_before > 1 * MiB
     removed, reclaimed = store.compact(min_dead_ratio=0.3)
     assert removed > 0 and reclaimed > 0
     st = store.stats()
-    assert st["tiers"]["nvme"]["disk_bytes"] < disk_before
-    assert st["counters"]["compacted_bytes"] > 0
-    assert st["write_amplification"] > 1.0
+    assert st.tiers["nvme"].disk_bytes < disk_before
+    assert st.counters["compacted_bytes"] > 0
+    assert st.write_amplification > 1.0
     for k in keys[1::2]:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
     assert store.check(deep=True) == []
     used = sum(os.path.getsize(p) for p in (Path(store.path) / "nvme").glob("seg-*.lseg"))
-    assert used == st["tiers"]["nvme"]["disk_bytes"]  # what is on disk is what is counted
+    assert used == st.tiers["nvme"].disk_bytes  # what is on disk is what is counted
 
 
 def test_index_rebuilt_from_segments_alone(make_store: MakeStore, tmp_path: Path) -> None:
@@ -329,7 +330,7 @@ def test_batch_that_crosses_a_segment_boundary(make_store: MakeStore) -> None:
     for k in keys:
         c = store.get(k)
         assert c is not None and bytes(c.data) == content(k, CHUNK)
-    assert store.stats()["counters"]["corrupt"] == 0
+    assert store.stats().counters["corrupt"] == 0
 
 
 def test_rewrite_moves_and_recompresses_keeping_pins_and_bytes(tmp_path: Path) -> None:
@@ -343,16 +344,16 @@ def test_rewrite_moves_and_recompresses_keeping_pins_and_bytes(tmp_path: Path) -
             assert s.put(k, zeros[:-8] + k[:8], SMALL_LAYOUT, tokens=16)
         s.pin("doc", keys[:2])
         dry = s.rewrite(keys[:3], tier="dram", dry_run=True)
-        assert dry["chunks"] == 3 and s.locate(keys[:3]) == ["nvme"] * 3
+        assert dry.chunks == 3 and s.locate(keys[:3]) == ["nvme"] * 3
         res = s.rewrite(keys[:3], tier="dram")
-        assert res["chunks"] == 3 and s.locate(keys) == ["dram"] * 3 + ["nvme"] * 3
-        assert s.pin_refs(keys[0]) == 1 and s.stats()["tiers"]["dram"]["pinned_bytes"] > 0
+        assert res.chunks == 3 and s.locate(keys) == ["dram"] * 3 + ["nvme"] * 3
+        assert s.pin_refs(keys[0]) == 1 and s.stats().tiers["dram"].pinned_bytes > 0
         comp = s.rewrite(keys, codec="zstd-shuffle", level=3)
-        assert comp["chunks"] == 6 and comp["bytes_after"] < comp["bytes_before"] // 10
+        assert comp.chunks == 6 and comp.bytes_after < comp.bytes_before // 10
         for k in keys:
             got = s.get(k)
             assert got is not None and bytes(got.data) == zeros[:-8] + k[:8]
-        assert s.rewrite(keys, codec="zstd-shuffle")["skipped"] == 6
+        assert s.rewrite(keys, codec="zstd-shuffle").skipped == 6
         assert s.evict(keys[:2]) == (0, 0)  # still pinned after both rewrites
         assert s.check(deep=True) == []
     finally:
@@ -390,7 +391,7 @@ def test_chunks_of_a_retired_model_fingerprint_are_evicted_first(make_store: Mak
     assert located[:2] == ["nvme", "nvme"]  # pinned: kept
     assert located[2:].count(None) >= 8  # the retired fingerprint went first ...
     assert store.locate(other_keys) == ["nvme"] * len(other_keys)  # ... not the older, unrelated model
-    assert store.stats()["counters"]["evicted_retired"] >= 8
+    assert store.stats().counters["evicted_retired"] >= 8
 
 
 def test_compress_records_its_level_and_rewrites_skip_the_same_form(make_store: MakeStore, ns: Namespace) -> None:
@@ -399,11 +400,11 @@ def test_compress_records_its_level_and_rewrites_skip_the_same_form(make_store: 
     for k in keys:
         store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
     res = store.rewrite(keys, codec="zstd", level=3)
-    assert res["chunks"] == 4 and {store.info(k).level for k in keys} == {3}  # type: ignore[union-attr]
-    assert store.rewrite(keys, codec="zstd", level=3)["skipped"] == 4
-    assert store.rewrite(keys, codec="zstd", level=1)["chunks"] == 4
-    assert store.rewrite(keys, codec="raw")["chunks"] == 4
-    assert store.rewrite(keys, codec="raw")["skipped"] == 4
+    assert res.chunks == 4 and {store.info(k).level for k in keys} == {3}  # type: ignore[union-attr]
+    assert store.rewrite(keys, codec="zstd", level=3).skipped == 4
+    assert store.rewrite(keys, codec="zstd", level=1).chunks == 4
+    assert store.rewrite(keys, codec="raw").chunks == 4
+    assert store.rewrite(keys, codec="raw").skipped == 4
 
 
 def sealed_store(make_store: MakeStore, ns: Namespace, chunks: int) -> tuple[Store, list[bytes], list[bytes], Path]:
@@ -427,7 +428,7 @@ def test_a_segment_forgotten_by_the_index_is_removed_when_its_unlink_was_lost(
     that the index no longer knows (fault injection: the unlink is skipped). Recovery removes
     it; it is never mistaken for a file that rebuild_index should take back."""
     store, keys, victims, path = sealed_store(make_store, ns, 40)
-    monkeypatch.setattr(Store, "_unlink", lambda self, unlink: None)  # killed before the unlink
+    monkeypatch.setattr(Space, "remove_files", lambda self, dropped: None)  # killed before the unlink
     store.evict(victims)
     monkeypatch.undo()
     assert path.exists() and path.stat().st_size > 4096  # left behind, records and all
@@ -453,22 +454,22 @@ def test_an_index_entry_that_disagrees_with_its_record_is_a_corrupt_miss(
         make_store: MakeStore, ns: Namespace, codec: str, field: str, value: object) -> None:
     """LMDB has no checksums: a changed index entry (fault injection: one field rewritten in
     the index) is caught by the record's checksummed trailer, on every read and by verify."""
-    from store.store import Entry
+    from store.index import Entry
 
     store = make_store(codec=codec)
     keys = ns.chunk_keys(list(range(16 * 2)))
     for k in keys:
         assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
     k = keys[0]
-    with store._env.begin(write=True) as txn:
-        e = Entry.unpack(txn.get(k, db=store._db_chunks))
+    with store._index.env.begin(write=True) as txn:
+        e = Entry.unpack(txn.get(k, db=store._index.chunks))
         if value is None:
             value = getattr(e, field) - 8 if field == "raw_len" else getattr(e, field) + 4096
         setattr(e, field, value)
-        txn.put(k, e.pack(), db=store._db_chunks)
+        txn.put(k, e.pack(), db=store._index.chunks)
     assert [p.kind for p in store.check(deep=True)] == ["corrupt-chunk"]
     assert store.get(k) is None  # a miss, never wrong bytes or an exception
-    assert store.stats()["counters"]["corrupt"] == 1 and not store.contains(k)
+    assert store.stats().counters["corrupt"] == 1 and not store.contains(k)
     other = store.get(keys[1])
     assert other is not None and bytes(other.data) == content(keys[1], SMALL_FMT.chunk_bytes)
 
@@ -483,7 +484,7 @@ def test_a_vanished_segment_stops_being_a_hit(make_store: MakeStore, ns: Namespa
     if how == "read":
         assert store.get(gone[0]) is None
     elif how == "maintain":
-        assert store.maintain()["segments_forgotten"] == 1
+        assert store.maintain().segments_forgotten == 1
     else:
         store.close()
         store = make_store(segment_bytes=1 * MiB)
@@ -506,7 +507,7 @@ def test_a_tier_whose_folder_is_not_there_keeps_its_chunks(make_store: MakeStore
     aside = tmp_path / "nvme-aside"
     tier.rename(aside)  # the disk is not mounted
     store = make_store(segment_bytes=1 * MiB)
-    assert store.maintain()["segments_forgotten"] == 0
+    assert store.maintain().segments_forgotten == 0
     problems = store.check(fix=True)
     assert "tier-unavailable" in {p.kind for p in problems}
     assert not all(p.fixed for p in problems)  # verify says it is not fine
@@ -599,8 +600,8 @@ def test_an_undecodable_index_entry_is_a_miss_and_verify_fix_drops_it(make_store
     for k in keys:
         store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
     k = keys[0]
-    with store._env.begin(write=True) as txn:
-        raw = bytearray(txn.get(k, db=store._db_chunks))
+    with store._index.env.begin(write=True) as txn:
+        raw = bytearray(txn.get(k, db=store._index.chunks))
         if damage == "garbage":
             raw = bytearray(b"\xff" * 40)  # too short, not JSON
         elif damage == "tier":
@@ -611,7 +612,7 @@ def test_an_undecodable_index_entry_is_a_miss_and_verify_fix_drops_it(make_store
             _struct.pack_into("<Q", raw, 32, 1 << 60)  # raw_len: get() allocated this
         else:
             _struct.pack_into("<d", raw, 64, float("nan"))
-        txn.put(k, bytes(raw), db=store._db_chunks)
+        txn.put(k, bytes(raw), db=store._index.chunks)
     assert store.get(k) is None and store.info(k) is None  # a miss, no exception
     assert all(i.key != k for i in store.iter_chunks())
     other = store.get(keys[1])

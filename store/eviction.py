@@ -1,0 +1,141 @@
+"""Eviction: which chunks leave a tier when it needs room, and removing chunks by key.
+
+The order is fixed (it is not a setting): first the unpinned chunks of retired
+namespaces (a model fingerprint that a newer checkpoint has replaced, see
+``Namespaces.retired``), then the least recently used unpinned chunks. Access times
+reach the index in batches (``Reads.flush``), so "recent" is as of the last flush.
+Pinned chunks are never chosen.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+from .compaction import Compactor
+from .config import StoreConfig
+from .index import ENTRY_TIER_OFFSET, Entry, Index, Txn, lru_chunk
+from .namespaces import Namespaces
+from .segment import ALIGN
+from .space import Space
+from .types import Evicted
+
+
+class Evictor:
+    """Keeps each tier under its capacity."""
+
+    def __init__(self, index: Index, space: Space, compactor: Compactor, namespaces: Namespaces,
+                 config: Callable[[], StoreConfig], lock: threading.RLock) -> None:
+        self.index = index
+        self.space = space
+        self.compactor = compactor
+        self.namespaces = namespaces
+        self._config = config
+        self.lock = lock
+
+    def retired(self, t: Txn | None = None) -> set[bytes]:
+        """The namespaces whose chunks go first (see ``Store.retired_namespaces``)."""
+        if t is None:
+            with self.index.read() as rt:
+                return self.retired(rt)
+        return self.namespaces.retired(t, self._config().retire_after_s)
+
+    def make_room(self, tier: str, incoming: int, trim: bool = False) -> int:
+        """Evict until ``incoming`` more bytes fit in ``tier``; returns the chunks evicted.
+        With ``trim``, evict down to the low watermark even if they fit already. Dead space
+        in partly live segments is compacted when evicting alone cannot make the room."""
+        st = self.space.tier(tier)
+        cap = st.cfg.capacity
+        used = self.space.used(tier)
+        incoming += ALIGN  # room for a new segment's header
+        if used + incoming <= cap and not trim:
+            return 0
+        to_free = used + incoming - int(cap * self._config().low_watermark)
+
+        def fn(t: Txn) -> int:
+            freed = 0
+            victims: dict[bytes, Entry] = {}
+            retired = 0
+            sources = ((True, self._retired_victims(t, st.tid)), (False, self._lru_victims(t, st.tid)))
+            for from_retired, keys in sources:
+                for key in keys:
+                    if freed >= to_free:
+                        break
+                    if key in victims:
+                        continue
+                    e = t.entry(key)
+                    if e is None:
+                        continue
+                    victims[key] = e
+                    freed += e.rec_len
+                    retired += from_retired
+            for key, e in victims.items():
+                t.unindex_entry(key, e)
+            t.add("evicted_retired", retired)
+            t.add("evicted", len(victims))
+            return len(victims)
+
+        n = self.index.write(fn)
+        used = self.space.used(tier)
+        if used + incoming > cap:
+            # dead space in partly live segments: reclaim it now (rare with LRU, since
+            # old segments die whole)
+            self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+            used = self.space.used(tier)
+            if used + incoming > cap and st.open_seg is not None:
+                self.space.seal_open(st)
+                self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+        return n
+
+    def _lru_victims(self, t: Txn, tier: int) -> Iterator[bytes]:
+        """Unpinned chunks of ``tier``, least recently used first."""
+        cur = t.raw.cursor(db=self.index.lru)
+        prefix = bytes([tier])
+        if not cur.set_range(prefix):
+            return
+        for k in cur.iternext(values=False):
+            if k[:1] != prefix:
+                return
+            key = lru_chunk(k)
+            if not t.pinned(key):
+                yield key
+
+    def _retired_victims(self, t: Txn, tier: int) -> Iterator[bytes]:
+        """Unpinned chunks of retired namespaces in ``tier``."""
+        for nid in sorted(self.retired(t)):
+            cur = t.raw.cursor(db=self.index.chunks)
+            if not cur.set_range(nid):
+                continue
+            for k, v in cur:
+                if not bytes(k).startswith(nid):
+                    break
+                if v[ENTRY_TIER_OFFSET] != tier:
+                    continue
+                key = bytes(k)
+                if not t.pinned(key):
+                    yield key
+
+    def evict(self, keys: Iterable[bytes], force: bool = False) -> Evicted:
+        """See ``Store.evict``."""
+
+        def fn(t: Txn) -> Evicted:
+            n = b = 0
+            for key in keys:
+                raw = t.entry_raw(key)
+                if raw is None:
+                    continue
+                if not force and t.pinned(key):
+                    continue
+                e = Entry.read(raw)
+                if e is None:  # a damaged entry: forget it (verify --fix recounts what it counted)
+                    t.raw.delete(key, db=self.index.chunks)
+                    n += 1
+                    continue
+                t.unindex_entry(key, e)
+                n += 1
+                b += e.rec_len
+            t.add("evicted", n)
+            return Evicted(n, b)
+
+        with self.lock:
+            return self.index.write(fn)

@@ -1,0 +1,500 @@
+"""The index: LMDB's sub-databases, the records kept in them, their keys, and transactions.
+
+This module is the only one that knows how the index is laid out. Sub-databases:
+
+==========  ==========================================  =====================================
+name        key                                         value
+==========  ==========================================  =====================================
+meta        ``config``, ``format_version``, ``salt_key``  settings JSON, version, salt key
+            ``c:<name>``                                counter (u64 little-endian)
+chunks      chunk key (48 bytes)                        ``Entry`` (packed, then layout JSON)
+lru         tier id (1) + access time ns (BE u64) + key  empty
+locs        segment id (BE u64) + offset (BE u64)       chunk key
+segs        segment id (BE u64)                         ``SegmentRecord``
+pins        chunk key                                   refs (u32), reserved bytes (u64)
+labels      label + NUL + chunk key                     pin time (BE u64)
+namespaces  namespace id (16 bytes)                     namespace record JSON
+==========  ==========================================  =====================================
+
+Every write goes through ``Index.transact()``: it hands out a ``Txn`` that carries the
+LMDB transaction, the segment files to remove once it has committed, and what to undo
+outside LMDB (a segment file created in it) if it aborts. The map is grown in one place,
+before a write transaction starts, so no transaction function is ever replayed with
+side effects it already had.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import lmdb
+
+from .codec import CODEC_NAMES
+from .config import TIER_NAMES
+from .errors import CorruptEntry, IndexWriteError, StoreError
+from .private import DIR_MODE
+from .segment import ALIGN, RecordTrailer, record_len
+
+log = logging.getLogger("lmctl.store")
+T = TypeVar("T")
+
+#: the map the index starts with; LMDB only reserves address space for it
+MAP_SIZE = 64 << 30
+#: the map grows (doubles) before a write transaction once this share of it is in use
+GROW_AT = 0.5
+#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
+MAX_CHUNK_BYTES = 1 << 34
+FORMAT_VERSION = 1
+
+# chunks: key -> entry (+ layout JSON)
+_ENTRY_HEAD = "<6Q2IB"  # seg, off, rec_len, stored_len, raw_len, checksum; tokens, hits; codec
+_ENTRY = struct.Struct(_ENTRY_HEAD + "BB5xdd")  # then tier, level, padding, created, last_access
+ENTRY_TIER_OFFSET = struct.calcsize(_ENTRY_HEAD)  # the tier byte, read without unpacking an entry
+# segs: seg id (BE) -> segment record
+_SEGMENT = struct.Struct("<BBxxIQQQd")
+SEG_OPEN, SEG_SEALED = 0, 1
+# pins: key -> refs, reserved bytes (expected size while the chunk is not stored)
+_PIN = struct.Struct("<IQ")
+_U64 = struct.Struct("<Q")
+_BE64 = struct.Struct(">Q")
+
+
+# -- keys --------------------------------------------------------------------------
+def seg_key(sid: int) -> bytes:
+    return _BE64.pack(sid)
+
+
+def seg_id(k: bytes | memoryview) -> int:
+    return int(_BE64.unpack(bytes(k[:8]))[0])
+
+
+def loc_key(sid: int, off: int) -> bytes:
+    return _BE64.pack(sid) + _BE64.pack(off)
+
+
+def lru_key(tier: int, last_access: float, key: bytes) -> bytes:
+    return bytes([tier]) + _BE64.pack(int(last_access * 1e9)) + key
+
+
+def lru_chunk(k: bytes | memoryview) -> bytes:
+    """The chunk key inside an ``lru`` key."""
+    return bytes(k[9:])
+
+
+def label_key(label: bytes, key: bytes = b"") -> bytes:
+    return label + b"\0" + key
+
+
+def counter_key(name: str) -> bytes:
+    return b"c:" + name.encode()
+
+
+def pack_u64(v: int) -> bytes:
+    return _U64.pack(v)
+
+
+def pack_be64(v: int) -> bytes:
+    return _BE64.pack(v)
+
+
+def pack_pin(refs: int, reserved: int) -> bytes:
+    return _PIN.pack(refs, reserved)
+
+
+def unpack_pin(raw: bytes | memoryview) -> tuple[int, int]:
+    refs, reserved = _PIN.unpack(raw)
+    return int(refs), int(reserved)
+
+
+# -- records -----------------------------------------------------------------------
+@dataclass
+class Entry:
+    """Where a chunk is and what it is: one value of the ``chunks`` sub-database."""
+
+    seg: int
+    off: int
+    rec_len: int
+    stored_len: int
+    raw_len: int
+    checksum: int
+    tokens: int
+    hits: int
+    codec: int
+    tier: int
+    created: float
+    last_access: float
+    layout: dict[str, Any]
+    level: int = 0  # the codec level it was encoded at (0: raw, or written before levels were recorded)
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(self.seg, self.off, self.rec_len, self.stored_len, self.raw_len,
+                           self.checksum, self.tokens, self.hits, self.codec, self.tier, self.level,
+                           self.created, self.last_access) + json.dumps(
+                               self.layout, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> Entry:
+        """Decode an entry; ``CorruptEntry`` if it does not make sense."""
+        try:
+            f = _ENTRY.unpack_from(raw, 0)
+            layout = json.loads(bytes(raw[_ENTRY.size:]) or b"{}")
+        except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            raise CorruptEntry(f"unreadable index entry: {exc}") from None
+        if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not isinstance(layout, dict):
+            raise CorruptEntry(f"index entry names tier {f[9]} and codec {f[8]}")
+        if not (0 <= f[11] < 1.8e10 and 0 <= f[12] < 1.8e10):  # NaN fails too
+            raise CorruptEntry("index entry has impossible times")
+        if max(f[2], f[3], f[4]) >= MAX_CHUNK_BYTES or f[1] % ALIGN or f[2] % ALIGN:
+            raise CorruptEntry("index entry has impossible lengths or offsets")
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[11], f[12], layout, f[10])
+
+    @classmethod
+    def read(cls, raw: bytes | memoryview) -> Entry | None:
+        """``unpack``, or None for an entry that cannot be decoded (a damaged index)."""
+        try:
+            return cls.unpack(raw)
+        except CorruptEntry:
+            return None
+
+    @property
+    def tier_name(self) -> str:
+        return TIER_NAMES[self.tier]
+
+
+@dataclass
+class SegmentRecord:
+    """What the index knows of one segment file: one value of the ``segs`` sub-database."""
+
+    tier: int
+    state: int
+    pid: int
+    size: int
+    live_bytes: int
+    live_count: int
+    created: float
+
+    def pack(self) -> bytes:
+        return _SEGMENT.pack(self.tier, self.state, self.pid, self.size, self.live_bytes,
+                             self.live_count, self.created)
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> SegmentRecord:
+        return cls(*_SEGMENT.unpack(raw))
+
+    @property
+    def dead_bytes(self) -> int:
+        """Bytes of records nothing points to any more (the segment's own header aside)."""
+        return max(0, self.size - self.live_bytes - ALIGN)
+
+
+def trailer_mismatch(key: bytes, e: Entry, trailer: RecordTrailer) -> str | None:
+    """What an index entry and its record's checksummed trailer disagree on, if anything.
+    LMDB keeps no checksums of its own, so every read checks the entry against the trailer."""
+    meta = trailer.meta if isinstance(trailer.meta, dict) else None
+    layout = meta.get("layout", {}) if meta is not None else None
+    tokens = meta.get("tokens", 0) if meta is not None else None
+    if e.rec_len != record_len(e.stored_len):
+        return "the record length"
+    for what, ours, theirs in (("the key", key, trailer.key), ("the checksum", e.checksum, trailer.checksum),
+                               ("the codec", e.codec, trailer.codec),
+                               ("the stored length", e.stored_len, trailer.stored_len),
+                               ("the raw length", e.raw_len, trailer.raw_len), ("the layout", e.layout, layout),
+                               ("the token count", e.tokens, tokens)):
+        if ours != theirs:
+            return what
+    return None
+
+
+class _MapGrown(IndexWriteError):
+    """A write transaction found the map full; it was aborted and the map has grown."""
+
+
+# -- transactions ------------------------------------------------------------------
+class Txn:
+    """One index transaction and the operations on records that keep counters in step.
+
+    ``remove`` lists the segment files (tier, id) to delete once the transaction has
+    committed; ``on_abort`` registers what to undo outside LMDB if it does not."""
+
+    def __init__(self, index: Index, txn: lmdb.Transaction, write: bool) -> None:
+        self.index = index
+        self.raw = txn
+        self.write = write
+        self.remove: list[tuple[str, int]] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def _aborted(self) -> None:
+        for fn in reversed(self._undo):
+            try:
+                fn()
+            except OSError as exc:
+                log.warning("could not undo part of an aborted index transaction: %s", exc)
+
+    # counters (meta ``c:<name>``)
+    def counter(self, name: str) -> int:
+        raw = self.raw.get(counter_key(name), db=self.index.meta)
+        return int(_U64.unpack(raw)[0]) if raw else 0
+
+    def add(self, name: str, delta: int) -> int:
+        v = self.counter(name) + delta
+        if v < 0:
+            log.warning("counter %s went negative (%d); clamping, run verify to recount", name, v)
+            v = 0
+        self.raw.put(counter_key(name), _U64.pack(v), db=self.index.meta)
+        return v
+
+    def set_counter(self, name: str, value: int) -> None:
+        self.raw.put(counter_key(name), _U64.pack(value), db=self.index.meta)
+
+    # chunks
+    def entry_raw(self, key: bytes) -> bytes | memoryview | None:
+        raw: bytes | memoryview | None = self.raw.get(key, db=self.index.chunks)
+        return raw
+
+    def entry(self, key: bytes) -> Entry | None:
+        """The entry of ``key``; None when absent or when it cannot be decoded."""
+        raw = self.raw.get(key, db=self.index.chunks)
+        return None if raw is None else Entry.read(raw)
+
+    def pin(self, key: bytes) -> tuple[int, int]:
+        """(pin references, reserved bytes) of ``key``."""
+        raw = self.raw.get(key, db=self.index.pins)
+        return unpack_pin(raw) if raw is not None else (0, 0)
+
+    def pinned(self, key: bytes) -> bool:
+        return self.pin(key)[0] > 0
+
+    def segment(self, sid: int) -> SegmentRecord | None:
+        raw = self.raw.get(seg_key(sid), db=self.index.segs)
+        return None if raw is None else SegmentRecord.unpack(raw)
+
+    def must_segment(self, sid: int) -> SegmentRecord:
+        s = self.segment(sid)
+        if s is None:
+            raise StoreError("index is inconsistent (a segment record is missing); run lmctl verify --fix")
+        return s
+
+    def put_segment(self, sid: int, s: SegmentRecord) -> None:
+        self.raw.put(seg_key(sid), s.pack(), db=self.index.segs)
+
+    def segments(self) -> list[tuple[int, SegmentRecord]]:
+        return [(seg_id(k), SegmentRecord.unpack(v)) for k, v in self.raw.cursor(db=self.index.segs)]
+
+    def drop_segment(self, tier: str, sid: int, s: SegmentRecord, remove_file: bool = True) -> None:
+        """Forget a segment; its space leaves the tier's usage, its file goes after commit."""
+        self.raw.delete(seg_key(sid), db=self.index.segs)
+        self.add(f"used:{tier}", -s.size)
+        if remove_file:
+            self.remove.append((tier, sid))
+
+    def index_entry(self, key: bytes, e: Entry) -> None:
+        """Make ``e`` the entry of ``key`` and count it (segment, tier and pin counters)."""
+        self.raw.put(key, e.pack(), db=self.index.chunks)
+        self.raw.put(lru_key(e.tier, e.last_access, key), b"", db=self.index.lru)
+        self.raw.put(loc_key(e.seg, e.off), key, db=self.index.locs)
+        seg = self.must_segment(e.seg)
+        seg.live_bytes += e.rec_len
+        seg.live_count += 1
+        self.put_segment(e.seg, seg)
+        tname = TIER_NAMES[e.tier]
+        self.add(f"live:{tname}", e.rec_len)
+        self.add(f"count:{tname}", 1)
+        refs, reserved = self.pin(key)
+        if refs:
+            self.add(f"pinned:{tname}", e.rec_len)
+            self.add("pin_reserved", -reserved)
+            self.raw.put(key, _PIN.pack(refs, 0), db=self.index.pins)
+
+    def unindex_entry(self, key: bytes, e: Entry) -> None:
+        """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing
+        live is forgotten and its file removed after commit."""
+        self.raw.delete(key, db=self.index.chunks)
+        self.raw.delete(lru_key(e.tier, e.last_access, key), db=self.index.lru)
+        self.raw.delete(loc_key(e.seg, e.off), db=self.index.locs)
+        tname = TIER_NAMES[e.tier]
+        self.add(f"live:{tname}", -e.rec_len)
+        self.add(f"count:{tname}", -1)
+        refs, _ = self.pin(key)
+        if refs:
+            self.add(f"pinned:{tname}", -e.rec_len)
+            self.add("pin_reserved", e.rec_len)
+            self.raw.put(key, _PIN.pack(refs, e.rec_len), db=self.index.pins)
+        seg = self.segment(e.seg)
+        if seg is None:
+            return
+        # clamped: an index entry damaged on disk may overstate what it counted (recount fixes it)
+        seg.live_bytes = max(0, seg.live_bytes - e.rec_len)
+        seg.live_count = max(0, seg.live_count - 1)
+        if seg.live_count <= 0 and seg.state == SEG_SEALED:
+            self.drop_segment(tname, e.seg, seg)
+        else:
+            self.put_segment(e.seg, seg)
+
+    def touch_entry(self, key: bytes, last_access: float, hits: int) -> None:
+        """Move ``key`` in LRU order to ``last_access`` (never back) and add ``hits``."""
+        raw = self.raw.get(key, db=self.index.chunks)
+        e = None if raw is None else Entry.read(raw)
+        if e is None:
+            return
+        self.raw.delete(lru_key(e.tier, e.last_access, key), db=self.index.lru)
+        e.last_access = max(e.last_access, last_access)
+        e.hits += hits
+        self.raw.put(key, e.pack(), db=self.index.chunks)
+        self.raw.put(lru_key(e.tier, e.last_access, key), b"", db=self.index.lru)
+
+    def entries_in_segment(self, sid: int) -> list[tuple[bytes, Entry]]:
+        """The chunks indexed in segment ``sid``, in offset order."""
+        lo = seg_key(sid)
+        cur = self.raw.cursor(db=self.index.locs)
+        out = []
+        if cur.set_range(lo):
+            for k, v in cur:
+                if k[:8] != lo:
+                    break
+                e = self.entry(bytes(v))
+                if e is not None:
+                    out.append((bytes(v), e))
+        return out
+
+
+class Index:
+    """The LMDB environment of a store and its sub-databases."""
+
+    def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None]) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.remove_files = remove_files
+        self._pid = os.getpid()
+        self._closed = False
+        self._grow_lock = threading.Lock()
+        try:
+            self.env = self._open()
+        except lmdb.Error as exc:
+            raise StoreError(f"the index at {path} cannot be opened ({type(exc).__name__}: {exc}); if it is "
+                             "damaged, stop every process that uses the store and move that folder aside: the "
+                             "next open rebuilds it from the segment files and the metadata journal") from None
+        self.meta = self.env.open_db(b"meta")
+        self.chunks = self.env.open_db(b"chunks")
+        self.lru = self.env.open_db(b"lru")
+        self.locs = self.env.open_db(b"locs")
+        self.segs = self.env.open_db(b"segs")
+        self.pins = self.env.open_db(b"pins")
+        self.labels = self.env.open_db(b"labels")
+        self.ns = self.env.open_db(b"namespaces")
+
+    def _open(self) -> lmdb.Environment:
+        if self.readonly:
+            try:
+                return lmdb.open(self.path, map_size=MAP_SIZE, max_dbs=16, readahead=False, max_readers=512,
+                                 readonly=True, create=False)
+            except lmdb.Error:
+                # a read-only filesystem: no lock file can be written, and no writer can
+                # exist either, so read without LMDB's reader table
+                return lmdb.open(self.path, map_size=MAP_SIZE, max_dbs=16, readahead=False, readonly=True,
+                                 create=False, lock=False)
+        return lmdb.open(self.path, map_size=MAP_SIZE, max_dbs=16, metasync=False, sync=True, readahead=False,
+                         max_readers=512, readonly=False,
+                         mode=DIR_MODE)  # the folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
+
+    def check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreError("a Store object was inherited across fork(); open a new Store in the child")
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    @contextmanager
+    def read(self) -> Iterator[Txn]:
+        """A short read transaction (a snapshot; keep it open no longer than needed)."""
+        self.check_usable()
+        with self.env.begin(write=False, buffers=False) as txn:
+            yield Txn(self, txn, write=False)
+
+    def _grow(self) -> None:
+        """Double the map once more than ``GROW_AT`` of it is in use (before a write starts)."""
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        if used > GROW_AT * info["map_size"]:
+            with self._grow_lock:
+                size = self.env.info()["map_size"]
+                if used > GROW_AT * size:
+                    self.env.set_mapsize(size * 2)
+                    log.info("grew the index map of %s to %d bytes", self.path, size * 2)
+
+    @contextmanager
+    def transact(self) -> Iterator[Txn]:
+        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed;
+        on abort (any exception), what was registered with ``Txn.on_abort`` is undone and
+        the exception propagates (LMDB errors as ``IndexWriteError``)."""
+        self.check_usable()
+        if self.readonly:
+            raise StoreError("this store was opened read-only")
+        self._grow()
+        t: Txn | None = None
+        try:
+            with self.env.begin(write=True) as txn:
+                t = Txn(self, txn, write=True)
+                yield t
+        except BaseException as exc:
+            if t is not None:
+                t._aborted()
+            if isinstance(exc, lmdb.MapFullError):  # one transaction larger than the room left
+                with self._grow_lock:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                raise _MapGrown(f"the index at {self.path} was full; its map has grown") from None
+            if isinstance(exc, lmdb.Error):  # e.g. the index's disk is full: nothing was committed
+                raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
+                                      "is its disk full?") from None
+            raise
+        if t.remove:
+            self.remove_files(t.remove)
+
+    def write(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` in one write transaction (see ``transact``) and return its result. If
+        the map was full, ``fn`` runs once more in a new transaction after the map grew:
+        what the first one did outside LMDB was undone by its ``on_abort`` hooks."""
+        try:
+            with self.transact() as t:
+                return fn(t)
+        except _MapGrown:
+            with self.transact() as t:
+                return fn(t)
+
+    def close(self) -> None:
+        if not self._closed and os.getpid() == self._pid:
+            self.env.close()
+        self._closed = True
+
+
+def drop_corrupt(index: Index, key: bytes, e: Entry) -> None:
+    """Forget ``key`` if its entry is still ``e`` (its bytes failed verification) and count it."""
+
+    def fn(t: Txn) -> None:
+        cur = t.entry(key)
+        if cur is not None and (cur.seg, cur.off) == (e.seg, e.off):
+            t.unindex_entry(key, cur)
+            t.add("corrupt", 1)
+
+    index.write(fn)
+
+
+def drop_unreadable(index: Index, key: bytes, raw: bytes) -> None:
+    """Forget an index entry that cannot be decoded. What it counted is recounted by
+    ``Store.check(fix=True)``: its location is unknown."""
+
+    def fn(t: Txn) -> None:
+        if t.raw.get(key, db=index.chunks) == raw:
+            t.raw.delete(key, db=index.chunks)
+            t.add("corrupt", 1)
+
+    index.write(fn)

@@ -1,0 +1,136 @@
+"""Pins: labelled promises that chunks are never evicted, within each tier's pin budget.
+
+A key may be pinned before it is stored (an operator pins a document, an engine saves
+it later): until it arrives it reserves its expected size against the budget of the
+default tier. Pins are kept in the index and in the metadata journal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from .config import StoreConfig
+from .errors import PinBudgetError, StoreError
+from .index import Index, Txn, label_key, pack_be64, pack_pin, unpack_pin
+from .keys import KEY_BYTES
+from .segment import align_up
+from .space import TierState
+
+
+class _RolledBack(Exception):
+    """Raised inside a write transaction to abort it (a dry run) and carry its result out."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+class Pins:
+    """The ``pins`` (per key) and ``labels`` (per label and key) sub-databases."""
+
+    def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
+                 journal_add: Callable[..., None]) -> None:
+        self.index = index
+        self.tiers = tiers
+        self._config = config
+        self._journal_add = journal_add
+
+    def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False,
+            journal: bool = True) -> int:
+        """See ``Store.pin``."""
+        if not label or "\0" in label:
+            raise StoreError("a pin label must be a non-empty string without NUL")
+        lb = label.encode()
+        budget_tier = self._config().default_tier
+
+        def fn(t: Txn) -> int:
+            added = 0
+            for key in keys:
+                if len(key) != KEY_BYTES:
+                    raise StoreError(f"chunk key must be {KEY_BYTES} bytes")
+                lk = label_key(lb, key)
+                if t.raw.get(lk, db=self.index.labels) is not None:
+                    continue
+                t.raw.put(lk, pack_be64(int(time.time())), db=self.index.labels)
+                refs, reserved = t.pin(key)
+                if refs == 0:
+                    e = t.entry(key)
+                    if e is not None:
+                        t.add(f"pinned:{e.tier_name}", e.rec_len)
+                    else:
+                        reserved = align_up(expected_bytes) if expected_bytes else 0
+                        t.add("pin_reserved", reserved)
+                t.raw.put(key, pack_pin(refs + 1, reserved), db=self.index.pins)
+                added += 1
+            for tname, st in self.tiers.items():
+                pinned = t.counter(f"pinned:{tname}")
+                if tname == budget_tier:
+                    pinned += t.counter("pin_reserved")
+                if pinned > st.cfg.pin_budget_bytes:
+                    raise PinBudgetError(
+                        f"pin {label!r} would put {pinned} bytes pinned in tier {tname}, over its pin "
+                        f"budget of {st.cfg.pin_budget_bytes} bytes; unpin something or raise the budget")
+            if dry_run:
+                raise _RolledBack(added)
+            return added
+
+        try:
+            added = self.index.write(fn)
+        except _RolledBack as rb:
+            return rb.value
+        if added and journal:
+            self._journal_add("pin", label=label, keys=[k.hex() for k in keys], expected=int(expected_bytes))
+        return added
+
+    def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
+        """See ``Store.unpin``."""
+        lb = label_key(label.encode())
+
+        def fn(t: Txn) -> int:
+            if keys is None:
+                cur = t.raw.cursor(db=self.index.labels)
+                targets = []
+                if cur.set_range(lb):
+                    for k in cur.iternext(values=False):
+                        if not bytes(k).startswith(lb):
+                            break
+                        targets.append(bytes(k[len(lb):]))
+            else:
+                targets = list(keys)
+            removed = 0
+            for key in targets:
+                if not t.raw.delete(lb + key, db=self.index.labels):
+                    continue
+                removed += 1
+                raw = t.raw.get(key, db=self.index.pins)
+                if raw is None:
+                    continue
+                refs, reserved = unpack_pin(raw)
+                if refs <= 1:
+                    t.raw.delete(key, db=self.index.pins)
+                    e = t.entry(key)
+                    if e is not None:
+                        t.add(f"pinned:{e.tier_name}", -e.rec_len)
+                    else:
+                        t.add("pin_reserved", -reserved)
+                else:
+                    t.raw.put(key, pack_pin(refs - 1, reserved), db=self.index.pins)
+            return removed
+
+        removed = self.index.write(fn)
+        if removed:
+            self._journal_add("unpin", label=label, keys=None if keys is None else [k.hex() for k in keys])
+        return removed
+
+    def refs(self, key: bytes) -> int:
+        with self.index.read() as t:
+            return t.pin(key)[0]
+
+    def labels(self) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        with self.index.read() as t:
+            for k in t.raw.cursor(db=self.index.labels).iternext(values=False):
+                label, _, key = bytes(k).partition(b"\0")
+                out.setdefault(label.decode(), []).append(key)
+        return out

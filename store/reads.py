@@ -1,0 +1,222 @@
+"""Reads: finding chunks, reading and verifying their bytes, and the access log.
+
+Every read checks the record's checksum and its trailer against the index entry; a
+chunk that fails is dropped from the index and counted as corrupt, and the read is a
+miss, never wrong bytes. Hits and access times are kept in memory and written to the
+index in batches (``flush``), so reads do not write.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from .codec import CODEC_NAMES, Codec
+from .config import TIER_NAMES, StoreConfig
+from .errors import CorruptEntry, StoreError
+from .index import ENTRY_TIER_OFFSET, Entry, Index, Txn, drop_corrupt, drop_unreadable, trailer_mismatch
+from .keys import DTYPE_SIZES, Namespace, short_key
+from .segment import CorruptRecord, SegmentGone
+from .space import TierState
+from .types import Chunk, ChunkInfo, LookupResult
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger("lmctl.store")
+
+#: chunks listed per read transaction by ``iter_chunks`` (no snapshot is held between pages)
+PAGE = 512
+
+
+def chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
+    return ChunkInfo(key, e.tier_name, CODEC_NAMES.get(e.codec, str(e.codec)), e.stored_len,
+                     e.raw_len, e.rec_len, e.tokens, e.hits, e.created, e.last_access, refs,
+                     e.layout, e.seg, e.off, e.level)
+
+
+class Reads:
+    """Lookups, verified reads and the batched access log of one store."""
+
+    def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
+                 codec: Callable[[], Codec], forget_segment: Callable[[TierState, int], object],
+                 lock: threading.RLock) -> None:
+        self.index = index
+        self.tiers = tiers
+        self._config = config
+        self._codec = codec
+        self._forget_segment = forget_segment
+        self.lock = lock
+        self._access: dict[bytes, tuple[float, int]] = {}
+        self._counts = {"hits": 0, "misses": 0}
+        self._last_flush = time.monotonic()
+
+    # -- the index only ----------------------------------------------------------------
+    def info(self, key: bytes) -> ChunkInfo | None:
+        with self.index.read() as t:
+            raw = t.entry_raw(key)
+            refs = t.pin(key)[0] if raw is not None else 0
+        e = None if raw is None else Entry.read(raw)
+        return None if e is None else chunk_info(key, e, refs)
+
+    def contains(self, key: bytes) -> bool:
+        with self.index.read() as t:
+            return t.entry_raw(key) is not None
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        out: list[str | None] = []
+        with self.index.read() as t:
+            for k in keys:
+                raw = t.entry_raw(k)
+                out.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+        return out
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
+        keys = ns.chunk_keys(tokens)
+        tiers = self.locate(keys)
+        hit = 0
+        for tier in tiers:
+            if tier is None:
+                break
+            hit += 1
+        size = ns.kv_format.chunk_size
+        return LookupResult(len(tokens), hit * size, size, keys, tiers)
+
+    def iter_chunks(self, prefix: bytes = b"") -> Iterator[ChunkInfo]:
+        """Chunks whose key starts with ``prefix``, in key order, read a page per short
+        read transaction (no snapshot is held while the caller works on a page)."""
+        start, last = prefix, None
+        while True:
+            page: list[ChunkInfo] = []
+            seen = 0
+            with self.index.read() as t:
+                cur = t.raw.cursor(db=self.index.chunks)
+                if cur.set_range(start):
+                    for k, v in cur:
+                        key = bytes(k)
+                        if key == last:
+                            continue
+                        if not key.startswith(prefix) or seen >= PAGE:
+                            break
+                        seen += 1
+                        last = key
+                        e = Entry.read(v)
+                        if e is not None:
+                            page.append(chunk_info(key, e, t.pin(key)[0]))
+            yield from page
+            if seen < PAGE or last is None:
+                return
+            start = last
+
+    # -- payloads ------------------------------------------------------------------------
+    def get(self, key: bytes, touch: bool = True) -> Chunk | None:
+        """See ``Store.get``."""
+        got = self._read(key, None, touch)
+        if got is None:
+            return None
+        info, out = got
+        return Chunk(key, out, info.layout, info.tokens, info.tier, info.codec)
+
+    def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
+        """See ``Store.get_into``."""
+        got = self._read(key, memoryview(out).cast("B"), touch)
+        return None if got is None else got[0]
+
+    def _read(self, key: bytes, dst: memoryview | None, touch: bool) -> tuple[ChunkInfo, Buffer] | None:
+        """Read ``key`` into ``dst`` (None: a new buffer of the chunk's size)."""
+        for attempt in range(3):
+            with self.index.read() as t:
+                raw = t.entry_raw(key)
+            if raw is None:
+                self._count_miss(touch)
+                return None
+            try:
+                e = Entry.unpack(raw)
+            except CorruptEntry as exc:
+                log.warning("dropping chunk %s: %s", short_key(key), exc)
+                drop_unreadable(self.index, key, bytes(raw))
+                self._count_miss(touch)
+                return None
+            out: Buffer
+            if dst is None:
+                out = bytearray(e.raw_len)
+                view = memoryview(out)
+            else:
+                if len(dst) < e.raw_len:
+                    raise StoreError(f"output buffer of {len(dst)} bytes is smaller than the chunk ({e.raw_len})")
+                out = view = dst
+            st = self.tiers.get(e.tier_name)
+            if st is None:
+                self._count_miss(touch)
+                return None
+            try:
+                self._read_record(st, key, e, view)
+            except SegmentGone:
+                # compacted under us (look the key up again), or the file is really gone
+                if attempt == 2 and not os.path.exists(st.io.path(e.seg)):
+                    self._forget_segment(st, e.seg)
+                continue
+            except (CorruptRecord, StoreError, ValueError, OverflowError, MemoryError) as exc:
+                # a record or an index entry that does not add up is a miss, never wrong bytes
+                log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
+                drop_corrupt(self.index, key, e)
+                self._count_miss(touch)
+                return None
+            if touch:
+                self._touch(key)
+            return chunk_info(key, e, 0), out
+        self._count_miss(touch)
+        return None
+
+    def _read_record(self, st: TierState, key: bytes, e: Entry, dst: memoryview) -> None:
+        """Read and verify ``e``'s record, decoded into ``dst``."""
+        if e.codec == 0 and e.stored_len != e.raw_len:
+            raise CorruptRecord(f"index entry of a raw chunk has stored length {e.stored_len} "
+                                f"and raw length {e.raw_len}")
+        stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
+        trailer = st.io.read_record(e.seg, e.off, e.stored_len, stored)
+        wrong = trailer_mismatch(key, e, trailer)
+        if wrong:
+            raise CorruptRecord(f"record at segment {e.seg} offset {e.off}: the index and the record "
+                                f"trailer disagree on {wrong}")
+        if e.codec != 0:
+            itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
+            dst[: e.raw_len] = self._codec().decode(e.codec, stored, e.raw_len, itemsize)
+
+    # -- the access log ------------------------------------------------------------------
+    def _count_miss(self, count: bool = True) -> None:
+        if count:
+            with self.lock:
+                self._counts["misses"] += 1
+
+    def _touch(self, key: bytes) -> None:
+        with self.lock:
+            now = time.time()
+            prev = self._access.get(key)
+            self._access[key] = (now, (prev[1] if prev else 0) + 1)
+            self._counts["hits"] += 1
+            due = time.monotonic() - self._last_flush >= self._config().access_flush_s
+        if due or len(self._access) > 10000:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write pending access times and hit/miss counts to the index."""
+        with self.lock:
+            pending, self._access = self._access, {}
+            counts, self._counts = self._counts, {"hits": 0, "misses": 0}
+            self._last_flush = time.monotonic()
+        if self.index.readonly or (not pending and not any(counts.values())):
+            return
+
+        def fn(t: Txn) -> None:
+            for key, (ts, hits) in pending.items():
+                t.touch_entry(key, ts, hits)
+            for k, v in counts.items():
+                if v:
+                    t.add(k, v)
+
+        self.index.write(fn)

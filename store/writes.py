@@ -1,0 +1,220 @@
+"""Writes: storing chunks in batches, and rewriting stored chunks (move, re-encode).
+
+The payload is written (and, with ``fsync``, made durable) before the index
+transaction that makes it visible commits. A batch is one reservation, writes that
+overlap hashing with the disk, one sync per segment, and one commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .codec import CODEC_NAMES, Codec, codec_id
+from .config import StoreConfig
+from .errors import DiskFullError, StoreError
+from .eviction import Evictor
+from .index import Entry, Index, Txn
+from .keys import DTYPE_SIZES, KEY_BYTES
+from .reads import Reads
+from .segment import encode_trailer, record_len
+from .space import Slot, Space, TierState
+from .types import PutItem, RewriteResult
+
+
+class Writes:
+    """The write path of one store."""
+
+    def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
+                 config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock) -> None:
+        self.index = index
+        self.space = space
+        self.evictor = evictor
+        self.reads = reads
+        self._config = config
+        self._codec = codec
+        self.lock = lock
+
+    def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None,
+                 replace: dict[bytes, Entry] | None = None) -> list[bool]:
+        """See ``Store.put_many``. ``replace``: keys whose current entry (as given) this
+        batch replaces, for ``rewrite``."""
+        st = self.space.tier(tier or self._config().default_tier)
+        codec = self._codec()
+        prepared = []
+        for it in items:
+            if len(it.key) != KEY_BYTES:
+                raise StoreError(f"chunk key must be {KEY_BYTES} bytes, got {len(it.key)}")
+            layout = dict(it.layout)
+            itemsize = DTYPE_SIZES.get(layout.get("dtype", "uint8"), 1)
+            cid = codec_id(it.codec or self._config().codec)
+            raw = memoryview(it.data).cast("B")
+            stored = codec.encode(cid, raw, itemsize, level)
+            prepared.append((it, layout, cid, raw, stored, record_len(len(memoryview(stored))), time.time()))
+
+        with self.lock:
+            needs = [(p[0].key, p[5]) for p in prepared]
+            try:
+                self.evictor.make_room(st.name, sum(n for _k, n in needs))
+                plan = self.space.reserve(st, needs, replacing=set(replace or ()))
+            except OSError as exc:  # a new segment file could not be made
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFullError(f"the disk under tier {st.name} ({st.io.dir}) is full: no room for a new "
+                                        "segment file; free space there or lower the tier's capacity") from None
+                raise
+            done, written = self._write_records(st, prepared, plan)
+            results = [False] * len(prepared)
+            if not done:
+                return results
+
+            def commit(t: Txn) -> None:
+                payload = 0
+                for i, p, seg, off, csum in done:
+                    it, layout, cid, raw, stored, rec_len, now = p
+                    created, last, hits = now, now, 0
+                    cur = t.entry_raw(it.key)
+                    if cur is not None:
+                        old = (replace or {}).get(it.key)
+                        e_cur = Entry.unpack(cur)
+                        if old is None or (e_cur.seg, e_cur.off, e_cur.tier) != (old.seg, old.off, old.tier):
+                            continue  # stored (or changed) meanwhile by another process; ours is dead space
+                        t.unindex_entry(it.key, e_cur)
+                        created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
+                    e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), csum,
+                              it.tokens, hits, cid, st.tid, created, last, layout,
+                              0 if cid == 0 else (codec.level if level is None else level))
+                    t.index_entry(it.key, e)
+                    results[i] = True
+                    payload += e.stored_len
+                t.add("written_bytes", written)
+                t.add("payload_bytes", payload)
+                t.add("puts", sum(results))
+
+            try:
+                self.index.write(commit)
+            except StoreError:
+                self.space.release(st, plan)  # not indexed: give its space back (if the index can be written)
+                raise
+            return results
+
+    def _write_records(self, st: TierState, prepared: list[Any],
+                       plan: list[Slot | None]) -> tuple[list[tuple[int, Any, int, int, int]], int]:
+        """Write the records that got space, wait for all of them and sync; returns what was
+        written (index, prepared item, segment, offset, checksum) and the bytes written.
+        On any failure the batch's space is given back and the error raised."""
+        written = 0
+        todo = []
+        failure: BaseException | None = None
+        try:
+            for i, p in enumerate(prepared):
+                slot = plan[i]
+                if slot is None:
+                    continue
+                seg, off, fd = slot
+                it, layout, cid, raw, stored, _rec_len, now = p
+                meta = {"layout": layout, "tokens": it.tokens}
+                # hashing this record overlaps the disk write of the previous one
+                pw = st.io.start_write(fd, off, stored, functools.partial(
+                    encode_trailer, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
+                todo.append((i, p, seg, off, pw))
+        except BaseException as exc:
+            failure = exc
+        for *_rest, pw in todo:  # every write is waited for (its buffers must outlive it)
+            try:
+                written += pw.result()[0]
+            except BaseException as exc:
+                failure = failure or exc
+        done = [(i, p, seg, off, pw.checksum) for i, p, seg, off, pw in todo]
+        if failure is None and done and self._config().fsync:
+            try:
+                for fd in {s[2] for s in plan if s is not None}:
+                    st.io.sync(fd)
+            except OSError as exc:
+                failure = exc
+        if failure is not None:
+            # nothing of this batch is indexed: give its reserved space back, so a full
+            # disk never leaves phantom usage behind that would evict real chunks
+            self.space.release(st, plan)
+            self.space.close_retired(st)
+            if isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"the disk under tier {st.name} ({st.io.dir}) is full: {len(done) or len(todo)} chunk(s) "
+                    "not stored; free space there or lower the tier's capacity") from None
+            raise failure
+        self.space.close_retired(st)
+        return done, written
+
+    # -- rewriting ---------------------------------------------------------------------
+    def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
+                level: int | None = None, progress: Callable[[int, int], None] | None = None,
+                dry_run: bool = False) -> RewriteResult:
+        """See ``Store.rewrite``."""
+        if tier is not None:
+            self.space.tier(tier)
+        want_codec = None if codec is None else codec_id(codec)
+        out = RewriteResult()
+        total = len(keys)
+        todo: list[tuple[bytes, Entry, int]] | None = [] if dry_run else None
+        for n, key in enumerate(keys):
+            if progress is not None:
+                progress(n, total)
+            what = self._rewrite_one(key, tier, want_codec, level, dry_run, out, todo)
+            setattr(out, what, getattr(out, what) + 1)
+        if todo is not None:
+            out.bytes_after = self._estimate(todo, level)
+        if progress is not None:
+            progress(total, total)
+        return out
+
+    def _estimate(self, todo: list[tuple[bytes, Entry, int]], level: int | None, samples: int = 8) -> int:
+        """Stored bytes after re-encoding ``todo``, estimated from up to ``samples`` chunks
+        spread over it (each read, verified and encoded; nothing is written)."""
+        if not todo:
+            return 0
+        step = max(1, len(todo) // samples)
+        before = after = 0
+        for key, e, dst_codec in todo[::step][:samples]:
+            chunk = self.reads.get(key, touch=False)
+            if chunk is None:
+                continue
+            itemsize = DTYPE_SIZES.get(chunk.layout.get("dtype", "uint8"), 1)
+            data = memoryview(chunk.data).cast("B")
+            before += e.stored_len
+            after += len(memoryview(self._codec().encode(dst_codec, data, itemsize, level)))
+        total_before = sum(e.stored_len for _k, e, _c in todo)
+        return round(total_before * after / before) if before else total_before
+
+    def _rewrite_one(self, key: bytes, tier: str | None, want_codec: int | None, level: int | None,
+                     dry_run: bool, out: RewriteResult, estimate: list[tuple[bytes, Entry, int]] | None) -> str:
+        """Rewrite one chunk; returns the ``RewriteResult`` field it counts in."""
+        for _attempt in range(5):  # compaction may relocate the chunk under us: try again
+            with self.index.read() as t:
+                raw = t.entry_raw(key)
+            if raw is None:
+                return "missing"
+            e = Entry.unpack(raw)
+            dst_tier = tier or e.tier_name
+            dst_codec = e.codec if want_codec is None else want_codec
+            same_level = level is None or dst_codec == 0 or e.level == level
+            if dst_tier == e.tier_name and dst_codec == e.codec and same_level:
+                return "skipped"
+            if dry_run:
+                out.bytes_before += e.stored_len
+                if estimate is not None:
+                    estimate.append((key, e, dst_codec))
+                return "chunks"
+            chunk = self.reads.get(key, touch=False)
+            if chunk is None:
+                return "missing"
+            item = PutItem(key, chunk.data, chunk.layout, chunk.tokens, CODEC_NAMES[dst_codec])
+            if self.put_many([item], dst_tier, level=level, replace={key: e})[0]:
+                new = self.reads.info(key)
+                out.bytes_before += e.stored_len
+                out.bytes_after += new.stored_bytes if new else 0
+                return "chunks"
+        return "skipped"
+
