@@ -28,6 +28,11 @@ def content(key: bytes, n: int) -> bytes:
     return bytes(mv)
 
 
+def key(i: int) -> bytes:
+    """The test suite's chunk key number ``i`` (a fixed namespace prefix, then ``i``)."""
+    return b"\x01" * 16 + i.to_bytes(32, "big")
+
+
 SMALL_FMT = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, chunk_size=16)
 SMALL_LAYOUT = {"dtype": "bfloat16", "shape": list(SMALL_FMT.chunk_shape)}
 

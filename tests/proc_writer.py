@@ -14,14 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from conftest import content  # noqa: E402
+from conftest import content, key  # noqa: E402
 
 from store import Store, StoreConfig, TierConfig  # noqa: E402
 from store.segment import SegmentIO  # noqa: E402
-
-
-def key(i: int) -> bytes:
-    return b"\x01" * 16 + i.to_bytes(32, "big")
 
 
 def main() -> None:

@@ -11,15 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, content, env_with_path
+from conftest import ROOT, content, env_with_path, key
 
 from store import GiB, MiB, Store, StoreConfig, TierConfig
 
 WRITER = str(ROOT / "tests" / "proc_writer.py")
-
-
-def key(i: int) -> bytes:
-    return b"\x01" * 16 + i.to_bytes(32, "big")
 
 
 def spawn(path: Path, start: int, count: int, size: int, capacity: int, mode: str = "loop") -> subprocess.Popen[str]:
@@ -41,6 +37,8 @@ def assert_store_sound(path: Path, acked: set[int], size: int) -> Store:
         stored += 1
     for i in acked:  # every acknowledged put survived the crash
         assert store.contains(key(i)), f"acknowledged chunk {i} was lost"
+    assert stored >= len(acked), "fewer chunks are listed than were acknowledged"
+    assert stored == store.stats().tiers["nvme"].chunks, "the chunk counter differs from the index"
     return store
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, content, env_with_path
+from conftest import ROOT, SMALL_FMT, SMALL_LAYOUT, content, env_with_path
 
 from lmctl import protocol
-from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+from store import MiB, Namespace, Store, StoreConfig, TierConfig
 
-FMT = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, chunk_size=16)
-LAYOUT = {"dtype": "bfloat16", "shape": list(FMT.chunk_shape)}
+FMT = SMALL_FMT
+LAYOUT = SMALL_LAYOUT
 NS = Namespace("m", FMT)
 TOKENS = list(range(100, 164))      # four chunks
 OTHER = list(range(500, 532))       # two chunks, never pinned

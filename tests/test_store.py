@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_FMT, SMALL_LAYOUT, content, flip_byte
+from conftest import SMALL_FMT, SMALL_LAYOUT, content, flip_byte, key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,15 +27,12 @@ from store import (
     TierConfig,
 )
 from store.codec import Codec, shuffle, unshuffle
+from store.segment import SegmentIO
 from store.space import Space
 from store.tensors import pack, unpack
 
 MakeStore = Callable[..., Store]
 CHUNK = SMALL_FMT.chunk_bytes  # 16 KiB
-
-
-def key(i: int) -> bytes:
-    return b"\x01" * 16 + i.to_bytes(32, "big")
 
 
 def fill(store: Store, n: int, size: int = CHUNK, start: int = 0) -> list[bytes]:
@@ -304,7 +301,9 @@ def test_configuration_is_kept_inside_the_store(tmp_path: Path) -> None:
             s.put_many([PutItem(key(1), b"x", {})], tier="dram")
 
 
-def test_dram_tier_on_tmpfs_reads_before_nvme(tmp_path: Path) -> None:
+def test_a_dram_tier_on_tmpfs_keeps_its_chunks_in_its_own_folder(tmp_path: Path) -> None:
+    """A chunk lives in exactly one tier: the one it was put to, whose folder holds its
+    segment, and reads come from there (there is no read order across tiers)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
     dram = Path(shm) / f"lmctl-test-{os.getpid()}"
     try:
@@ -316,6 +315,11 @@ def test_dram_tier_on_tmpfs_reads_before_nvme(tmp_path: Path) -> None:
             assert s.locate([key(1), key(2)]) == ["dram", "nvme"]
             c = s.get(key(1))
             assert c is not None and c.tier == "dram" and bytes(c.data) == content(key(1), CHUNK)
+            info = s.info(key(1))
+            assert info is not None and os.path.exists(SegmentIO(str(dram)).path(info.segment))
+            assert info.segment not in SegmentIO(str(tmp_path / "s" / "nvme")).segment_ids()
+            c2 = s.get(key(2))
+            assert c2 is not None and c2.tier == "nvme"
     finally:
         shutil.rmtree(dram, ignore_errors=True)
 
