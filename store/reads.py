@@ -177,15 +177,25 @@ class Reads:
         if e.codec == 0 and e.stored_len != e.raw_len:
             raise CorruptRecord(f"index entry of a raw chunk has stored length {e.stored_len} "
                                 f"and raw length {e.raw_len}")
-        stored = dst if e.codec == 0 else memoryview(bytearray(e.stored_len))
-        trailer = st.io.read_record(e.seg, e.off, e.stored_len, stored)
+        if e.codec == 0:
+            self._verified(st, key, e, dst)
+            return
+        buf = st.io.pool.take(e.stored_len)  # page-aligned and reused: read with O_DIRECT, no copy
+        try:
+            stored = memoryview(buf)[: e.stored_len]
+            self._verified(st, key, e, stored)
+            itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
+            self._codec().decode_into(e.codec, stored, dst, e.raw_len, itemsize)
+        finally:
+            st.io.pool.give(buf)
+
+    @staticmethod
+    def _verified(st: TierState, key: bytes, e: Entry, into: memoryview) -> None:
+        trailer = st.io.read_record(e.seg, e.off, e.stored_len, into)
         wrong = trailer_mismatch(key, e, trailer)
         if wrong:
             raise CorruptRecord(f"record at segment {e.seg} offset {e.off}: the index and the record "
                                 f"trailer disagree on {wrong}")
-        if e.codec != 0:
-            itemsize = DTYPE_SIZES.get(e.layout.get("dtype", "uint8"), 1)
-            dst[: e.raw_len] = self._codec().decode(e.codec, stored, e.raw_len, itemsize)
 
     # -- the access log ------------------------------------------------------------------
     def _count_miss(self, count: bool = True) -> None:

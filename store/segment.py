@@ -57,8 +57,10 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 ALIGN = 4096
-PIECE = 8 << 20  # pipelining granularity for large transfers
-READ_PIECE = 2 << 20  # reads: small enough that hashing piece k overlaps reading piece k+1
+PIECE = 8 << 20  # writes: pipelining granularity for large transfers
+READ_PIECE = 2 << 20  # reads: small enough that hashing piece k overlaps reading the next ones
+#: I/O requests in flight per transfer (measured: benchmarks/store_io.py --depths)
+IO_DEPTH = 4
 REC_MAGIC = b"LMCTLREC"
 SEG_MAGIC = b"LMCTLSEG"
 REC_VERSION = 1
@@ -218,7 +220,9 @@ class SegmentIO:
             make_private_dir(directory)  # 0700 whatever the umask
             self.direct = supports_direct_io(directory) if direct is None else direct
         self.pool = AlignedPool()
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-io")
+        #: pieces of one transfer in flight at once (and I/O threads of this tier)
+        self.depth = IO_DEPTH
+        self._io = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="lmctl-io")
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._fd_cache = fd_cache
         self._lock = threading.Lock()
@@ -268,9 +272,10 @@ class SegmentIO:
         """Start appending a record at ``offset``: the payload, then its trailer.
 
         ``make_trailer(checksum)`` builds the trailer once the payload's checksum is
-        known; it goes out in the same write as the payload's last piece. The writes
-        run on the I/O thread, so the caller can hash the next record meanwhile;
-        ``result()`` waits for them. ``payload`` must stay unchanged until then.
+        known; it goes out in the same write as the payload's last piece. The payload
+        goes out in pieces, up to ``depth`` of them in flight on the I/O threads while
+        the caller hashes the next (and the pieces of other records of a batch may be in
+        flight too); ``result()`` waits for them. ``payload`` must stay unchanged until then.
         """
         pay = memoryview(payload).cast("B")
         n = len(pay)
@@ -281,7 +286,7 @@ class SegmentIO:
         trailer = self.pool.take(TRAILER_BLOCK)
         pw.buffers.append(trailer)
         staging: list[mmap.mmap] = []
-        inflight: list[Future[int] | None] = [None, None]
+        inflight: list[Future[int] | None] = [None] * self.depth
         try:
             spans = [(a, min(a + PIECE, body)) for a in range(0, body, PIECE)] or [(0, 0)]
             for i, (a, b) in enumerate(spans):
@@ -294,12 +299,11 @@ class SegmentIO:
                     views = [piece]  # whole piece straight from the source
                 elif not self.direct:
                     views = [piece, memoryview(bytes(m - len(piece)))]
-                else:
-                    if not staging:
-                        cap = min(PIECE, max(body, ALIGN))
-                        staging = [self.pool.take(cap), self.pool.take(cap)]
-                        pw.buffers.extend(staging)
-                    slot = i % 2
+                else:  # O_DIRECT from an unaligned source: through a ring of aligned buffers
+                    slot = i % self.depth
+                    if slot >= len(staging):
+                        staging.append(self.pool.take(min(PIECE, max(body, ALIGN))))
+                        pw.buffers.append(staging[-1])
                     prev = inflight[slot]
                     if prev is not None:
                         prev.result()
@@ -354,9 +358,10 @@ class SegmentIO:
         """Read a record's payload into ``dst[:stored_len]`` and verify it.
 
         With ``dst=None`` the payload is only verified. A page-aligned ``dst`` is read
-        into directly (O_DIRECT, no copy). Reads are pipelined: piece k+1 is in
-        flight while piece k is hashed. A bad trailer, a short read or a checksum
-        mismatch raises ``CorruptRecord``; a removed segment raises ``SegmentGone``.
+        into directly (O_DIRECT, no copy). The payload is read in pieces, up to ``depth``
+        in flight while the caller hashes (and, through staging buffers, copies) the
+        earliest one. A bad trailer, a short read or a checksum mismatch raises
+        ``CorruptRecord``; a removed segment raises ``SegmentGone``.
         """
         try:
             fd = self._fd(seg_id)
@@ -365,16 +370,19 @@ class SegmentIO:
         body = align_up(stored_len)
         direct_dst = dst is not None and self.direct and is_aligned(dst)
         spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
+        depth = min(self.depth, len(spans))
         size = min(READ_PIECE, max(body, ALIGN))
         trailer = self.pool.take(TRAILER_BLOCK)
-        bufs = [self.pool.take(size), self.pool.take(size)]
+        bufs: list[mmap.mmap] = []
         futs: list[Future[int]] = []
 
         def target(k: int) -> tuple[memoryview, bool]:
             a, b = spans[k]
             if direct_dst and dst is not None and b <= len(dst):
                 return dst[a:b], True
-            return memoryview(bufs[k % 2])[: b - a], False
+            while len(bufs) <= k % depth:
+                bufs.append(self.pool.take(size))
+            return memoryview(bufs[k % depth])[: b - a], False
 
         def fetch(k: int) -> Future[int]:
             views = [target(k)[0]]
@@ -386,19 +394,19 @@ class SegmentIO:
 
         try:
             hasher = xxhash.xxh3_64()
-            nxt = fetch(0)
+            pending = [fetch(k) for k in range(depth)]
             for k, (a, b) in enumerate(spans):
-                got = nxt.result()
+                got = pending[k].result()
                 want = b - a + (TRAILER_BLOCK if k == len(spans) - 1 else 0)
                 if got != want:
                     raise CorruptRecord(f"short read in segment {seg_id} at {offset + a}")
-                if k + 1 < len(spans):
-                    nxt = fetch(k + 1)  # the other staging buffer (or dst) is free by now
                 view, in_place = target(k)
                 valid = view[: max(0, min(b, stored_len) - a)]
                 hasher.update(valid)
                 if dst is not None and not in_place:
                     dst[a : a + len(valid)] = valid
+                if k + depth < len(spans):
+                    pending.append(fetch(k + depth))  # piece k's buffer (or place in dst) is free now
             found = decode_trailer(memoryview(trailer)[:TRAILER_BLOCK])
             if found is None:
                 raise CorruptRecord(f"bad record trailer in segment {seg_id} at {offset}")

@@ -7,14 +7,17 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from conftest import SMALL_FMT, SMALL_LAYOUT, content, flip_byte, key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import store.codec as codec_mod
 from store import (
     GiB,
     MiB,
@@ -26,7 +29,7 @@ from store import (
     StoreError,
     TierConfig,
 )
-from store.codec import Codec, shuffle, unshuffle
+from store.codec import Codec, encoded_parts, shuffle, unshuffle
 from store.segment import SegmentIO
 from store.space import Space
 from store.tensors import pack, unpack
@@ -73,14 +76,38 @@ def test_shuffle_compresses_bf16_kv_better_than_plain_zstd(store: Store) -> None
     assert shuf.stored_bytes < plain.stored_bytes < len(data)
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.binary(min_size=0, max_size=4096), itemsize=st.sampled_from([1, 2, 4]),
-       codec=st.sampled_from([0, 1, 2]))
-def test_codec_property_lossless(data: bytes, itemsize: int, codec: int) -> None:
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(min_size=0, max_size=4096), itemsize=st.sampled_from([1, 2, 4, 8]),
+       codec=st.sampled_from([0, 1, 2]), piece=st.sampled_from([64, 1000, 1 << 20]))
+def test_codec_property_lossless(data: bytes, itemsize: int, codec: int, piece: int) -> None:
     c = Codec()
-    enc = c.encode(codec, data, itemsize)
-    assert bytes(c.decode(codec, enc, len(data), itemsize)) == data
+    with mock.patch.object(codec_mod, "PIECE_RAW", piece):
+        enc = c.encode(codec, data, itemsize)
+    if codec and piece == 64 and len(data) > 128:
+        assert len(list(encoded_parts(enc))) == -(-len(data) // (64 - 64 % itemsize))
+    out = bytearray(len(data) + 3)
+    c.decode_into(codec, enc, memoryview(out), len(data), itemsize)
+    assert bytes(out[: len(data)]) == data
     assert bytes(unshuffle(shuffle(data, itemsize), itemsize)) == data
+    if codec:  # as written before pieces: one zstd frame over the whole (shuffled) chunk
+        legacy = zstandard.ZstdCompressor(level=1).compress(data if codec == 1 else shuffle(data, itemsize))
+        out2 = bytearray(len(data))
+        c.decode_into(codec, legacy, memoryview(out2), len(data), itemsize)
+        assert bytes(out2) == data
+
+
+def test_a_damaged_compressed_payload_never_decodes_to_wrong_bytes() -> None:
+    c = Codec()
+    data = bytes(range(256)) * 64
+    with mock.patch.object(codec_mod, "PIECE_RAW", 4096):
+        enc = bytes(c.encode(2, data, 2))
+    out = memoryview(bytearray(len(data)))
+    cut, short_table, bad_length = enc[:-1], enc[:10], enc[:12] + b"\xff" * 4 + enc[16:]
+    for bad in (cut, short_table, bad_length, enc + b"\0", b"LMZP" + enc[4:8] + b"\x09" + enc[9:]):
+        with pytest.raises(StoreError):
+            c.decode_into(2, bad, out, len(data), 2)
+    with pytest.raises(StoreError):
+        c.decode_into(2, enc, out, len(data) + 1, 2)
 
 
 def test_put_is_idempotent_and_get_into_reuses_buffer(store: Store) -> None:
