@@ -223,7 +223,7 @@ def test_shared_store_is_one_instance_per_folder(tmp_path: Path) -> None:
 
 
 def test_recent_save_claims_expire_so_dropped_saves_are_retried() -> None:
-    from engine_hook.identity import RecentKeys
+    from engine_hook.scheduler import RecentKeys
 
     now = [0.0]
     rk = RecentKeys(ttl=30, limit=3, clock=lambda: now[0])
