@@ -4,7 +4,8 @@ Loads run in ``start_load_kv``, before the forward pass, and read the store ther
 disk slows that step. Saves copy each chunk into a staging buffer after the forward pass
 and hand it to a background writer; when no buffer is free the save is dropped and counted.
 
-A chunk that cannot be loaded is reported, with every block after it, through
+Failures never reach the engine's step loop: they are logged with their traceback. A chunk
+that cannot be loaded is reported, with every block after it, through
 ``take_load_errors`` (vLLM recomputes from there); a chunk that cannot be saved is dropped.
 """
 
@@ -70,32 +71,34 @@ class LMCtlConnectorWorker:
         self.load_s += time.perf_counter() - t0
 
     def _load(self, op: LoadOp) -> None:
+        """Load one request's chunks in order; the first that fails ends the load, and its
+        blocks and every later chunk's are reported for recomputing."""
         assert self._paged is not None and self._pool is not None
         fmt = self.ctx.kv_format
-        buf = self._pool.acquire(wait=True)
-        assert buf is not None
+        done = 0
+        buf = None
         try:
+            buf = self._pool.acquire(wait=True)
+            assert buf is not None
             chunk = chunk_tensor(buf, fmt)
-            failed_at = None
-            for i, key in enumerate(op.keys):
-                try:
-                    ok = self.store.get_into(key, buf.numpy().data) is not None
-                except Exception as exc:
-                    log.warning("lmctl: reading chunk %s failed: %s", key.hex()[:16], exc)
-                    ok = False
-                if not ok:
-                    failed_at = i
-                    break
-                self._paged.scatter(chunk, op.blocks[i])
+            for key, blocks in zip(op.keys, op.blocks, strict=True):
+                if self.store.get_into(key, buf.numpy().data) is None:
+                    break  # missing, or failed its checksum (the store dropped and counted it)
+                self._paged.scatter(chunk, blocks)
+                done += 1
                 self.loaded_chunks += 1
-            if failed_at is not None:
-                self.load_failures += 1
-                for row in op.blocks[failed_at:]:
-                    self._load_errors.update(b for b in row if b is not None)
-                log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
-                            op.req_id, failed_at + 1, len(op.keys))
+        except Exception:
+            key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
+            log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
-            self._pool.release(buf)
+            if buf is not None:
+                self._pool.release(buf)
+        if done < len(op.keys):
+            self.load_failures += 1
+            for row in op.blocks[done:]:
+                self._load_errors.update(b for b in row if b is not None)
+            log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
+                        op.req_id, done + 1, len(op.keys))
 
     def take_load_errors(self) -> set[int]:
         """The block ids that failed to load since the last call."""
@@ -117,8 +120,8 @@ class LMCtlConnectorWorker:
                 continue
             try:
                 self._paged.gather(op.blocks, chunk_tensor(buf, fmt))
-            except Exception as exc:
-                log.warning("lmctl: gathering a chunk of request %s failed: %s", op.req_id, exc)
+            except Exception:
+                log.warning("lmctl: gathering a chunk of request %s failed", op.req_id, exc_info=True)
                 self._pool.release(buf)
                 continue
             self._writer.submit(op.key, buf, self._layout, fmt.chunk_size)

@@ -1,5 +1,5 @@
-"""The vLLM connector's two sides without an engine: the worker side's copies, and the facade
-that builds one side per role.
+"""The vLLM connector's two sides without an engine: the worker side's copies and how it
+handles failures (fault injection), and the facade that builds one side per role.
 
 The facade tests import vLLM (for its connector base class and KV cache spec) but start no
 engine: vLLM's config and scheduler output are stood in for by plain objects.
@@ -7,6 +7,7 @@ engine: vLLM's config and scheduler output are stood in for by plain objects.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from conftest import env_with_path
 from engine_hook.config import ConnectorSettings
 from engine_hook.context import ConnectorContext
 from engine_hook.ops import LoadOp, SaveOp
+from engine_hook.transfer import ChunkWriter, StagingPool
 from engine_hook.worker import LMCtlConnectorWorker
 from store import KVFormat, Namespace, open_shared, release_shared
 
@@ -69,6 +71,86 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
     assert same_blocks(caches, [4, 5, 6], [0, 1, 2])
     assert all(torch.equal(caches[n][7], untouched[n]) for n in LAYERS)
     assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
+def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        fault: str) -> None:
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    calls = []
+
+    def fail_on_the_second_chunk(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 2:
+                raise OSError("injected fault")
+            return real(*args)
+        return call
+
+    if fault == "store read":
+        monkeypatch.setattr(worker.store, "get_into", fail_on_the_second_chunk(worker.store.get_into))
+    else:
+        assert worker._paged is not None
+        monkeypatch.setattr(worker._paged, "scatter", fail_on_the_second_chunk(worker._paged.scatter))
+
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])  # must not raise into the step loop
+
+    failed = [r for r in caplog.records if r.exc_info is not None]
+    assert len(failed) == 1 and "request r2: loading chunk" in failed[0].getMessage()
+    assert "Traceback (most recent call last)" in caplog.text and "OSError: injected fault" in caplog.text
+    assert "chunk 2 of 2 could not be loaded" in caplog.text
+    # chunk 1 was loaded; chunk 2's blocks go back to vLLM, which recomputes them
+    assert worker.take_load_errors() == {6, 7}
+    assert worker.take_load_errors() == set()  # reported once
+    assert worker.loaded_chunks == 1 and worker.load_failures == 1
+    assert same_blocks(caches, [4, 5], [0, 1])
+    # the staging buffer went back: the next load works
+    monkeypatch.undo()
+    worker.load([LoadOp("r3", keys, [[8, 9], [10, 11]])])
+    assert same_blocks(caches, [8, 9, 10, 11], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+
+
+def test_a_failed_save_is_logged_with_its_traceback_and_dropped(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    worker.register_kv_caches(kv_caches())
+    keys = Namespace("m", FMT).chunk_keys(PROMPT)
+    assert worker._paged is not None
+    real = worker._paged.gather
+
+    def gather(blocks: list[int], out: torch.Tensor) -> None:
+        if blocks == [0, 1]:
+            raise RuntimeError("injected fault")
+        real(blocks, out)
+
+    monkeypatch.setattr(worker._paged, "gather", gather)
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        worker.save([SaveOp("r1", keys[0], [0, 1]), SaveOp("r1", keys[1], [2, 3])])
+    assert worker.flush(10)
+    assert "RuntimeError: injected fault" in caplog.text and "Traceback" in caplog.text
+    assert worker.store.locate(keys) == [None, "nvme"]  # the other chunk was saved
+
+
+class _FailingStore:
+    def put_many(self, items: list[Any]) -> list[bool]:
+        raise OSError("injected disk error")
+
+
+def test_a_failed_write_is_logged_with_its_traceback_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    pool = StagingPool(4096, 2)
+    writer = ChunkWriter(_FailingStore(), pool)  # type: ignore[arg-type]
+    buf = pool.acquire()
+    assert buf is not None
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        writer.submit(b"k" * 48, buf, {"dtype": "uint8", "shape": [4096]}, 1)
+        assert writer.flush(10)
+    writer.close()
+    assert writer.stats.failed == 1 and writer.stats.saved == 0
+    assert "OSError: injected disk error" in caplog.text and "Traceback" in caplog.text
+    assert pool.acquire() is not None and pool.acquire() is not None  # its buffer came back
 
 
 def test_the_scheduler_side_imports_neither_torch_nor_vllm() -> None:
