@@ -1,7 +1,9 @@
 """lmctl's engine side: the vLLM v1 connector (``engine_hook.vllm``) and an
 engine-agnostic API (``engine_hook.api``).
 
-Importing this package imports neither torch nor vllm; the submodules do.
+Importing this package imports neither torch nor vllm. Of its modules, ``vllm`` (the
+connector), ``worker``, ``transfer`` and ``api`` import torch, and only ``vllm`` imports
+vllm at import time; the scheduler side and the bookkeeping modules import neither.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Who produced a KV chunk: adapter identities (cached) and namespaces.
+"""Who produced a KV chunk: adapter identities, hashed once per folder (``AdapterCache``).
 
 Pure Python (no torch, no vllm), so the CLI and the daemon can use it too.
 """
@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 from store import AdapterIdentity, StoreError, adapter_digest
@@ -57,30 +54,3 @@ class AdapterCache:
         with self._lock:
             self._cache[key] = (sig, ident)
         return ident
-
-
-
-class RecentKeys:
-    """Keys claimed for saving in the last ``ttl`` seconds (at most ``limit`` of them).
-
-    The scheduler uses it so that requests in flight with the same prefix save each chunk
-    once. A claim expires, so a chunk whose save was dropped (a full writer queue) is
-    saved again by a later request instead of being skipped for good.
-    """
-
-    def __init__(self, ttl: float = 30.0, limit: int = 65536,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl = ttl
-        self.limit = limit
-        self.clock = clock
-        self._at: OrderedDict[bytes, float] = OrderedDict()
-
-    def claim(self, key: bytes) -> bool:
-        """True if the caller should save ``key`` (nobody claimed it recently)."""
-        now = self.clock()
-        while self._at and (len(self._at) >= self.limit or now - next(iter(self._at.values())) >= self.ttl):
-            self._at.popitem(last=False)
-        if key in self._at:
-            return False
-        self._at[key] = now
-        return True

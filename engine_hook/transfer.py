@@ -4,7 +4,8 @@
   with O_DIRECT and no extra copy; reusing them avoids first-touch page faults).
 * ``ChunkWriter``: a background thread that writes gathered chunks to the store. Its
   queue is bounded by the pool: when no buffer is free the save is dropped and
-  counted, so a slow disk never stalls the engine's step loop.
+  counted, so a slow disk never makes the step loop wait for a save. (Loads read the
+  store on the step loop, before the forward pass: a slow disk does slow those.)
 * ``PagedKV``: the one place that knows how an engine lays out its paged KV cache.
   It views each layer as ``[blocks, 2 (K, V), block_size, kv_heads, head_dim]`` and
   copies whole blocks to and from the store's canonical chunk layout
@@ -145,7 +146,7 @@ class ChunkWriter:
                 items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens) for j in jobs]
                 results = self.store.put_many(items)
             except Exception as exc:  # never let a disk problem reach the engine
-                log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc)
+                log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc, exc_info=True)
                 results = [False] * len(jobs)
                 self.stats.failed += len(jobs)
             else:

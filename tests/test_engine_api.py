@@ -223,7 +223,7 @@ def test_shared_store_is_one_instance_per_folder(tmp_path: Path) -> None:
 
 
 def test_recent_save_claims_expire_so_dropped_saves_are_retried() -> None:
-    from engine_hook.identity import RecentKeys
+    from engine_hook.scheduler import RecentKeys
 
     now = [0.0]
     rk = RecentKeys(ttl=30, limit=3, clock=lambda: now[0])
@@ -235,30 +235,3 @@ def test_recent_save_claims_expire_so_dropped_saves_are_retried() -> None:
     for k in (b"b", b"c", b"d"):
         assert rk.claim(k)
     assert rk.claim(b"a")  # bounded: the oldest claims make room
-
-
-@pytest.mark.parametrize("extra, why", [
-    ({"capacity": "10"}, "no unit"),                 # ten bytes would evict every chunk at engine start
-    ({"capacity": 10}, "no unit"),
-    ({"capacity": "1KiB"}, "too small"),
-    ({"chunk_size": True}, "whole number"),          # became 1
-    ({"chunk_size": 1.9}, "whole number"),           # became 1
-    ({"chunk_size": "256"}, "whole number"),
-    ({"save_queue": 10**9}, "between 1 and 1024"),   # its buffers are allocated up front
-    ({"save_queue": 0}, "between 1 and 1024"),
-    ({"model_id": 7}, "must be a string"),
-])
-def test_connector_settings_are_strict(extra: dict[str, object], why: str) -> None:
-    from engine_hook.config import ConnectorSettings
-
-    with pytest.raises(StoreError, match=why):
-        ConnectorSettings.parse({"store_path": "/var/lib/lmctl", **extra})
-
-
-def test_connector_store_path_must_be_a_path() -> None:
-    from engine_hook.config import ConnectorSettings
-
-    with pytest.raises(StoreError, match="store_path"):
-        ConnectorSettings.parse({"store_path": 123})  # became a relative folder named 123
-    s = ConnectorSettings.parse({"store_path": "/var/lib/lmctl", "capacity": "500GiB", "chunk_size": 512})
-    assert (s.store_path, s.capacity, s.chunk_size) == ("/var/lib/lmctl", 500 << 30, 512)

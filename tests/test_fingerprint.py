@@ -17,9 +17,9 @@ from conftest import ROOT, env_with_path
 from safetensors.numpy import load_file, save_file
 
 from engine_hook import fingerprint as fpmod
-from engine_hook.api import NamespaceBook
 from engine_hook.config import ConnectorSettings
 from engine_hook.fingerprint import folder_fingerprint, model_fingerprint
+from engine_hook.namespaces import NamespaceBook
 from store import KVFormat, Namespace, Store, StoreError
 
 SHARDS: dict[str, dict[str, tuple[tuple[int, ...], Any]]] = {

@@ -1,0 +1,28 @@
+"""What the scheduler side sends the worker side each step: which chunks to load, which to save.
+
+Plain dataclasses (no torch, no vllm); ``engine_hook.vllm`` carries them in vLLM's
+connector metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoadOp:
+    """Load chunks into a request's blocks. ``blocks[i]`` are chunk i's block ids in
+    token order; ``None`` marks a block the engine already holds (not overwritten)."""
+
+    req_id: str
+    keys: list[bytes]
+    blocks: list[list[int | None]]
+
+
+@dataclass
+class SaveOp:
+    """Save one chunk whose KV sits in ``blocks`` (token order) after this step."""
+
+    req_id: str
+    key: bytes
+    blocks: list[int]

@@ -1,0 +1,195 @@
+"""The connector's scheduler side: how many leading tokens of a request the store supplies,
+and, each step, which chunks the workers load and which they save.
+
+Bookkeeping only, no KV: imports neither torch nor vllm. It decides from token ids, the
+model, the KV format, the LoRA adapter's identity and the cache salt; what it decides
+crosses to the workers as ``LoadOp`` and ``SaveOp``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_shared
+
+from .identity import AdapterCache
+from .ops import LoadOp, SaveOp
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from .context import ConnectorContext
+
+log = logging.getLogger("lmctl.engine_hook")
+
+
+class RecentKeys:
+    """Keys claimed for saving in the last ``ttl`` seconds (at most ``limit`` of them).
+
+    The scheduler uses it so that requests in flight with the same prefix save each chunk
+    once. A claim expires, so a chunk whose save was dropped (a full writer queue) is
+    saved again by a later request instead of being skipped for good.
+    """
+
+    def __init__(self, ttl: float = 30.0, limit: int = 65536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.limit = limit
+        self.clock = clock
+        self._at: OrderedDict[bytes, float] = OrderedDict()
+
+    def claim(self, key: bytes) -> bool:
+        """True if the caller should save ``key`` (nobody claimed it recently)."""
+        now = self.clock()
+        while self._at and (len(self._at) >= self.limit or now - next(iter(self._at.values())) >= self.ttl):
+            self._at.popitem(last=False)
+        if key in self._at:
+            return False
+        self._at[key] = now
+        return True
+
+
+@dataclass
+class _Req:
+    ns: Namespace
+    keys: list[bytes]              # keys of the prompt's full chunks
+    stored: list[bool]             # whether the store held each chunk at lookup time
+    load_start: int = 0            # tokens [load_start, load_end) come from the store
+    load_end: int = 0
+    load_pending: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0             # first chunk index not yet considered for saving
+
+
+class LMCtlConnectorScheduler:
+    """The scheduler side of ``LMCtlConnector``, on its own reference to the process's store.
+
+    It applies the connector's store settings (codec, capacity) and records the base
+    model's namespace when it starts."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+        self.store = open_shared(ctx.settings.store_path)
+        self._closed = False
+        ctx.settings.apply(self.store)
+        self.book = ctx.namespace_book(self.store)
+        self.adapters = AdapterCache()
+        self._reqs: dict[str, _Req] = {}
+        self._recent_saves = RecentKeys()
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    def _namespace(self, request: Request, kv_format: KVFormat) -> Namespace:
+        lora = getattr(request, "lora_request", None)
+        adapter: AdapterIdentity | None = None
+        path = None
+        if lora is not None:
+            path = str(lora.lora_path)
+            adapter = self.adapters.identity(str(lora.lora_name), path)
+        return self.book.get(kv_format, adapter, getattr(request, "cache_salt", None), path)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens after ``num_computed_tokens`` that the store supplies, and ``False``: the
+        workers load them before the step's forward pass. A failed lookup is a miss."""
+        try:
+            return self._match(request, num_computed_tokens), False
+        except Exception as exc:  # a cache problem is a miss, never an engine error
+            log.warning("lmctl: lookup for request %s failed, recomputing: %s", request.request_id, exc)
+            self._reqs.pop(request.request_id, None)
+            return 0, False
+
+    def _match(self, request: Request, num_computed_tokens: int) -> int:
+        prompt = list(request.prompt_token_ids or [])
+        ns = self._namespace(request, self.ctx.kv_format)
+        found = self.store.lookup(ns, prompt)
+        bs = self.ctx.block_size
+        # the last prompt token is always computed (vLLM needs its logits)
+        end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
+        st = _Req(ns, found.keys, [t is not None for t in found.tiers])
+        self._reqs[request.request_id] = st
+        self.lookups += 1
+        if end <= num_computed_tokens:
+            return 0
+        st.load_start, st.load_end = num_computed_tokens, end
+        self.hit_tokens += end - num_computed_tokens
+        return end - num_computed_tokens
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        st.load_pending = num_external_tokens > 0
+        if st.load_pending:
+            st.load_end = st.load_start + num_external_tokens
+
+    def plan(self, scheduler_output: SchedulerOutput) -> tuple[list[LoadOp], list[SaveOp]]:
+        """This step's loads and saves, from the blocks vLLM scheduled."""
+        loads: list[LoadOp] = []
+        saves: list[SaveOp] = []
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan(loads, saves, new.req_id, st,
+                       new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan(loads, saves, req_id, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0))
+        for req_id in so.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        return loads, saves
+
+    def _plan(self, loads: list[LoadOp], saves: list[SaveOp], req_id: str, st: _Req, computed_after: int) -> None:
+        cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
+        bpc = cs // bs
+        if st.load_pending:
+            st.load_pending = False
+            first, last = st.load_start // cs, (st.load_end - 1) // cs
+            keys, blocks = [], []
+            for c in range(first, last + 1):
+                row: list[int | None] = []
+                for j in range(bpc):
+                    tok = c * cs + j * bs
+                    bi = c * bpc + j  # the request's block index of that token
+                    inside = st.load_start <= tok and tok + bs <= st.load_end
+                    row.append(st.block_ids[bi] if inside and bi < len(st.block_ids) else None)
+                keys.append(st.keys[c])
+                blocks.append(row)
+            loads.append(LoadOp(req_id, keys, blocks))
+        # chunks whose KV exists after this step and that the store lacked
+        done = min(len(st.keys), computed_after // cs, len(st.block_ids) // bpc)
+        while st.next_save < done:
+            c = st.next_save
+            st.next_save += 1
+            key = st.keys[c]
+            if st.stored[c] or not self._recent_saves.claim(key):
+                continue
+            saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc]))
+
+    def request_finished(self, request: Request) -> None:
+        self._reqs.pop(request.request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"lookups": self.lookups, "hit_tokens": self.hit_tokens}
+
+    def close(self) -> None:
+        """Let go of the store (safe to call more than once)."""
+        if not self._closed:
+            self._closed = True
+            release_shared(self.store)

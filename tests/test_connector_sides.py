@@ -1,0 +1,250 @@
+"""The vLLM connector's two sides without an engine: the worker side's copies and how it
+handles failures (fault injection), and the facade that builds one side per role.
+
+The facade tests import vLLM (for its connector base class and KV cache spec) but start no
+engine: vLLM's config and scheduler output are stood in for by plain objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import env_with_path
+
+from engine_hook.config import ConnectorSettings
+from engine_hook.context import ConnectorContext
+from engine_hook.ops import LoadOp, SaveOp
+from engine_hook.transfer import ChunkWriter, StagingPool
+from engine_hook.worker import LMCtlConnectorWorker
+from store import KVFormat, Namespace, open_shared, release_shared
+
+FMT = KVFormat("float32", num_layers=3, num_kv_heads=2, head_dim=8, chunk_size=32)
+BS = 16
+NB = 12
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(FMT.num_layers)]
+EXTRA = {"chunk_size": FMT.chunk_size, "model_fingerprint": "off", "save_queue": 2}
+PROMPT = list(range(100, 180))  # 80 tokens: two full chunks and a 16-token tail
+
+
+def kv_caches(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One paged KV tensor per layer, as vLLM hands them over: [blocks, kv_heads, block_size, K||V]."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(NB, FMT.num_kv_heads, BS, 2 * FMT.head_dim, generator=g) for n in LAYERS}
+
+
+def same_blocks(caches: dict[str, torch.Tensor], dst: list[int], src: list[int]) -> bool:
+    return all(torch.equal(t[dst], t[src]) for t in caches.values())
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Any:
+    settings = ConnectorSettings.parse({"store_path": str(tmp_path / "store"), **EXTRA})
+    ctx = ConnectorContext(settings, "m", FMT, LAYERS, BS, None, None, {"engine": "test"})
+    w = LMCtlConnectorWorker(ctx)
+    yield w
+    w.close()
+
+
+def saved_chunks(worker: LMCtlConnectorWorker, caches: dict[str, torch.Tensor]) -> list[bytes]:
+    """Save the prompt's two chunks from blocks 0-3 and wait for the writer."""
+    keys = Namespace("m", FMT).chunk_keys(PROMPT)
+    worker.save([SaveOp("r1", keys[0], [0, 1]), SaveOp("r1", keys[1], [2, 3])])
+    assert worker.flush(10)
+    assert worker.stats()["writer"]["saved"] == 2
+    return keys
+
+
+# -- the worker side ---------------------------------------------------------------------
+def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConnectorWorker) -> None:
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    untouched = {n: t[7].clone() for n, t in caches.items()}
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, None]])])  # block 7: the engine holds it already
+    assert same_blocks(caches, [4, 5, 6], [0, 1, 2])
+    assert all(torch.equal(caches[n][7], untouched[n]) for n in LAYERS)
+    assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
+
+
+@pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
+def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        fault: str) -> None:
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    calls = []
+
+    def fail_on_the_second_chunk(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 2:
+                raise OSError("injected fault")
+            return real(*args)
+        return call
+
+    if fault == "store read":
+        monkeypatch.setattr(worker.store, "get_into", fail_on_the_second_chunk(worker.store.get_into))
+    else:
+        assert worker._paged is not None
+        monkeypatch.setattr(worker._paged, "scatter", fail_on_the_second_chunk(worker._paged.scatter))
+
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])  # must not raise into the step loop
+
+    failed = [r for r in caplog.records if r.exc_info is not None]
+    assert len(failed) == 1 and "request r2: loading chunk" in failed[0].getMessage()
+    assert "Traceback (most recent call last)" in caplog.text and "OSError: injected fault" in caplog.text
+    assert "chunk 2 of 2 could not be loaded" in caplog.text
+    # chunk 1 was loaded; chunk 2's blocks go back to vLLM, which recomputes them
+    assert worker.take_load_errors() == {6, 7}
+    assert worker.take_load_errors() == set()  # reported once
+    assert worker.loaded_chunks == 1 and worker.load_failures == 1
+    assert same_blocks(caches, [4, 5], [0, 1])
+    # the staging buffer went back: the next load works
+    monkeypatch.undo()
+    worker.load([LoadOp("r3", keys, [[8, 9], [10, 11]])])
+    assert same_blocks(caches, [8, 9, 10, 11], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+
+
+def test_a_failed_save_is_logged_with_its_traceback_and_dropped(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    worker.register_kv_caches(kv_caches())
+    keys = Namespace("m", FMT).chunk_keys(PROMPT)
+    assert worker._paged is not None
+    real = worker._paged.gather
+
+    def gather(blocks: list[int], out: torch.Tensor) -> None:
+        if blocks == [0, 1]:
+            raise RuntimeError("injected fault")
+        real(blocks, out)
+
+    monkeypatch.setattr(worker._paged, "gather", gather)
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        worker.save([SaveOp("r1", keys[0], [0, 1]), SaveOp("r1", keys[1], [2, 3])])
+    assert worker.flush(10)
+    assert "RuntimeError: injected fault" in caplog.text and "Traceback" in caplog.text
+    assert worker.store.locate(keys) == [None, "nvme"]  # the other chunk was saved
+
+
+class _FailingStore:
+    def put_many(self, items: list[Any]) -> list[bool]:
+        raise OSError("injected disk error")
+
+
+def test_a_failed_write_is_logged_with_its_traceback_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    pool = StagingPool(4096, 2)
+    writer = ChunkWriter(_FailingStore(), pool)  # type: ignore[arg-type]
+    buf = pool.acquire()
+    assert buf is not None
+    with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
+        writer.submit(b"k" * 48, buf, {"dtype": "uint8", "shape": [4096]}, 1)
+        assert writer.flush(10)
+    writer.close()
+    assert writer.stats.failed == 1 and writer.stats.saved == 0
+    assert "OSError: injected disk error" in caplog.text and "Traceback" in caplog.text
+    assert pool.acquire() is not None and pool.acquire() is not None  # its buffer came back
+
+
+def test_the_scheduler_side_imports_neither_torch_nor_vllm() -> None:
+    code = ("import sys, engine_hook.scheduler, engine_hook.context, engine_hook.namespaces, engine_hook.ops; "
+            "print(sorted({'torch', 'vllm'} & set(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_path(), timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# -- the facade: one side per role -------------------------------------------------------------
+def fake_vllm(store: Path) -> tuple[Any, Any]:
+    """What LMCtlConnector reads from vLLM's config, as plain objects (and vLLM's real KV spec)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=FMT.num_kv_heads, head_size=FMT.head_dim,
+                             dtype=torch.float32)
+    ktc = SimpleNamespace(kv_connector_extra_config={"store_path": str(store), **EXTRA},
+                          kv_load_failure_policy="fail")
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=ktc, model_config=SimpleNamespace(served_model_name="m", model="m", tokenizer="m"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=SimpleNamespace(cache_dtype="auto"))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=LAYERS)])
+    return vllm_config, kv_cache_config
+
+
+def request(req_id: str) -> Any:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=PROMPT, lora_request=None, cache_salt=None)
+
+
+def step(req_id: str, block_ids: list[int], computed: int, scheduled: int) -> Any:
+    """A scheduler output with one new request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=computed)],
+        num_scheduled_tokens={req_id: scheduled},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                              num_computed_tokens=[]),
+        finished_req_ids=set())
+
+
+def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_path: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from engine_hook.scheduler import LMCtlConnectorScheduler
+    from engine_hook.vllm import LMCtlConnector, LMCtlMetadata, live_connectors
+
+    vllm_config, kv_cache_config = fake_vllm(tmp_path / "store")
+    sched = LMCtlConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)  # type: ignore[arg-type]
+    work = LMCtlConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)  # type: ignore[arg-type]
+    try:
+        assert isinstance(sched.connector_scheduler, LMCtlConnectorScheduler) and sched.connector_worker is None
+        assert isinstance(work.connector_worker, LMCtlConnectorWorker) and work.connector_scheduler is None
+        assert sched.store is work.store  # one store per folder per process
+        assert {sched, work} <= set(live_connectors())
+        assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"  # a failed load is a miss
+        assert len(sched.store.namespaces()) == 1  # the base model's namespace, recorded at start
+        caches = kv_caches()
+        work.register_kv_caches(caches)
+
+        # first request: a miss; its two full chunks are saved from blocks 0-3
+        assert sched.get_num_new_matched_tokens(request("r1"), 0) == (0, False)
+        sched.update_state_after_alloc(request("r1"), None, 0)  # type: ignore[arg-type]
+        meta = sched.build_connector_meta(step("r1", [0, 1, 2, 3, 4], 0, 80))  # type: ignore[arg-type]
+        assert isinstance(meta, LMCtlMetadata) and meta.loads == []
+        assert [op.blocks for op in meta.saves] == [[0, 1], [2, 3]]
+        work.bind_connector_metadata(meta)
+        work.start_load_kv(None)  # type: ignore[arg-type]
+        work.wait_for_save()
+        work.clear_connector_metadata()
+        assert work.flush(10)
+
+        # the same prompt again: both chunks come from the store, into blocks 5-8
+        assert sched.get_num_new_matched_tokens(request("r2"), 0) == (64, False)
+        sched.update_state_after_alloc(request("r2"), None, 64)  # type: ignore[arg-type]
+        meta = sched.build_connector_meta(step("r2", [5, 6, 7, 8, 9], 64, 16))  # type: ignore[arg-type]
+        assert isinstance(meta, LMCtlMetadata) and meta.saves == []
+        assert [op.blocks for op in meta.loads] == [[[5, 6], [7, 8]]]
+        work.bind_connector_metadata(meta)
+        work.start_load_kv(None)  # type: ignore[arg-type]
+        work.wait_for_save()
+        work.clear_connector_metadata()
+        assert same_blocks(caches, [5, 6, 7, 8], [0, 1, 2, 3])
+        assert work.get_block_ids_with_load_errors() == set() == sched.get_block_ids_with_load_errors()
+
+        s, w = sched.stats(), work.stats()
+        assert (s["lookups"], s["hit_tokens"], s["loaded_chunks"], "writer" in s) == (2, 64, 0, False)
+        assert (w["lookups"], w["loaded_chunks"], w["load_failures"], w["writer"]["saved"]) == (0, 2, 0, 2)
+        assert sched.request_finished(request("r2"), []) == (False, None)
+    finally:
+        store = sched.store
+        sched.shutdown()
+        work.shutdown()
+        work.shutdown()  # safe twice
+    again = open_shared(tmp_path / "store")
+    try:
+        assert again is not store  # both sides let go: the last one closed it
+    finally:
+        release_shared(again)
