@@ -15,6 +15,8 @@ from store import DEFAULT_CHUNK_SIZE, Store, StoreConfig, StoreError
 from store.codec import codec_id
 from store.config import parse_capacity
 
+from .policy import POLICIES
+
 LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
 MAX_CHUNK_SIZE = 1 << 16
 #: each queued save holds one chunk-sized staging buffer, allocated up front
@@ -41,6 +43,7 @@ class ConnectorSettings:
     model_fingerprint: str = "auto"
     on_load_error: str = "recompute"
     kv_layout: str | None = None
+    load_policy: str = "auto"
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -55,7 +58,7 @@ class ConnectorSettings:
                              f"string (got {path!r})")
         chunk = _whole(extra.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1, MAX_CHUNK_SIZE)
         queue = _whole(extra.get("save_queue", 16), "save_queue", 1, MAX_SAVE_QUEUE)
-        for key in ("model_id", "kv_layout", "codec", "on_load_error"):
+        for key in ("model_id", "kv_layout", "codec", "on_load_error", "load_policy"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise StoreError(f"{key} must be a string, not {extra[key]!r}")
         codec = extra.get("codec")
@@ -71,6 +74,9 @@ class ConnectorSettings:
             raise StoreError("model_fingerprint must be 'auto' (the default), 'off' or a non-empty string")
         if fp.lower() in ("auto", "off"):
             fp = fp.lower()
+        load_policy = str(extra.get("load_policy", "auto"))
+        if load_policy not in POLICIES:
+            raise StoreError(f"load_policy must be one of {', '.join(POLICIES)}, not {load_policy!r}")
         layout = extra.get("kv_layout")
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
@@ -79,7 +85,7 @@ class ConnectorSettings:
             codec=None if codec is None else str(codec),
             capacity=None if cap is None else parse_capacity(cap, "capacity"), save_queue=queue,
             model_id=extra.get("model_id") or None, model_fingerprint=fp,
-            on_load_error=policy, kv_layout=layout,
+            on_load_error=policy, kv_layout=layout, load_policy=load_policy,
         )
 
     def fingerprint_mode(self) -> str:

@@ -19,8 +19,10 @@ from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_sha
 
 from .identity import AdapterCache
 from .ops import LoadOp, SaveOp
+from .policy import LoadPolicy
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -62,7 +64,7 @@ class _Req:
     stored: list[bool]             # whether the store held each chunk at lookup time
     load_start: int = 0            # tokens [load_start, load_end) come from the store
     load_end: int = 0
-    load_pending: bool = False
+    load_pending: bool = False     # blocks allocated, the load not sent to the workers yet
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0             # first chunk index not yet considered for saving
 
@@ -82,8 +84,12 @@ class LMCtlConnectorScheduler:
         self.adapters = AdapterCache()
         self._reqs: dict[str, _Req] = {}
         self._recent_saves = RecentKeys()
+        self._loads_ready: list[str] = []  # requests whose blocks are allocated for an async load
+        self.policy = LoadPolicy(ctx.settings.load_policy)
+        self._last_step: tuple[float, int, int] | None = None  # when, prefill tokens, longest context
         self.lookups = 0
         self.hit_tokens = 0
+        self.skipped_tokens = 0  # stored tokens the policy chose to recompute
 
     def _namespace(self, request: Request, kv_format: KVFormat) -> Namespace:
         lora = getattr(request, "lora_request", None)
@@ -95,10 +101,13 @@ class LMCtlConnectorScheduler:
         return self.book.get(kv_format, adapter, getattr(request, "cache_salt", None), path)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens after ``num_computed_tokens`` that the store supplies, and ``False``: the
-        workers load them before the step's forward pass. A failed lookup is a miss."""
+        """Tokens after ``num_computed_tokens`` that the store supplies (as many as the load
+        policy finds worth loading), and whether they load asynchronously: always, when
+        there are any. The request waits while the workers load them; other requests keep
+        stepping. A failed lookup is a miss."""
         try:
-            return self._match(request, num_computed_tokens), False
+            n = self._match(request, num_computed_tokens)
+            return n, n > 0
         except Exception as exc:  # a cache problem is a miss, never an engine error
             log.warning("lmctl: lookup for request %s failed, recomputing: %s", request.request_id, exc)
             self._reqs.pop(request.request_id, None)
@@ -116,23 +125,42 @@ class LMCtlConnectorScheduler:
         self.lookups += 1
         if end <= num_computed_tokens:
             return 0
-        st.load_start, st.load_end = num_computed_tokens, end
-        self.hit_tokens += end - num_computed_tokens
-        return end - num_computed_tokens
+        cs = self.ctx.kv_format.chunk_size
+        d = self.policy.decide(num_computed_tokens, end, cs, self.ctx.kv_format.chunk_bytes,
+                               [t or "" for t in found.tiers])
+        self.skipped_tokens += d.stored_tokens - num_computed_tokens - d.load_tokens
+        if d.load_tokens <= 0:
+            return 0
+        st.load_start, st.load_end = num_computed_tokens, num_computed_tokens + d.load_tokens
+        self.hit_tokens += d.load_tokens
+        return d.load_tokens
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
+                                 num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks; with ``num_external_tokens`` the store's
+        tokens go into them (the load is sent with the next step's metadata). vLLM calls
+        this again, with 0, when an async load has finished: nothing to do then."""
         st = self._reqs.get(request.request_id)
-        if st is None:
+        if st is None or num_external_tokens <= 0:
             return
-        st.load_pending = num_external_tokens > 0
-        if st.load_pending:
-            st.load_end = st.load_start + num_external_tokens
+        st.load_end = st.load_start + num_external_tokens
+        st.load_pending = True
+        if blocks is not None:
+            st.block_ids = list(blocks.get_block_ids()[0])
+        self._loads_ready.append(request.request_id)
 
     def plan(self, scheduler_output: SchedulerOutput) -> tuple[list[LoadOp], list[SaveOp]]:
-        """This step's loads and saves, from the blocks vLLM scheduled."""
+        """This step's loads (of requests that wait for them) and saves (of the blocks
+        vLLM scheduled)."""
         loads: list[LoadOp] = []
         saves: list[SaveOp] = []
         so = scheduler_output
+        self._observe_step(so)
+        for req_id in self._loads_ready:
+            st = self._reqs.get(req_id)
+            if st is not None and st.load_pending:
+                self._plan_load(loads, req_id, st)
+        self._loads_ready.clear()
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -158,20 +186,8 @@ class LMCtlConnectorScheduler:
     def _plan(self, loads: list[LoadOp], saves: list[SaveOp], req_id: str, st: _Req, computed_after: int) -> None:
         cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
         bpc = cs // bs
-        if st.load_pending:
-            st.load_pending = False
-            first, last = st.load_start // cs, (st.load_end - 1) // cs
-            keys, blocks = [], []
-            for c in range(first, last + 1):
-                row: list[int | None] = []
-                for j in range(bpc):
-                    tok = c * cs + j * bs
-                    bi = c * bpc + j  # the request's block index of that token
-                    inside = st.load_start <= tok and tok + bs <= st.load_end
-                    row.append(st.block_ids[bi] if inside and bi < len(st.block_ids) else None)
-                keys.append(st.keys[c])
-                blocks.append(row)
-            loads.append(LoadOp(req_id, keys, blocks))
+        if st.load_pending:  # not sent by update_state_after_alloc's path (no blocks were given)
+            self._plan_load(loads, req_id, st)
         # chunks whose KV exists after this step and that the store lacked
         done = min(len(st.keys), computed_after // cs, len(st.block_ids) // bpc)
         while st.next_save < done:
@@ -182,11 +198,56 @@ class LMCtlConnectorScheduler:
                 continue
             saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc]))
 
+    def _plan_load(self, loads: list[LoadOp], req_id: str, st: _Req) -> None:
+        cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
+        bpc = cs // bs
+        st.load_pending = False
+        first, last = st.load_start // cs, (st.load_end - 1) // cs
+        keys, blocks = [], []
+        for c in range(first, last + 1):
+            row: list[int | None] = []
+            for j in range(bpc):
+                tok = c * cs + j * bs
+                bi = c * bpc + j  # the request's block index of that token
+                inside = st.load_start <= tok and tok + bs <= st.load_end
+                row.append(st.block_ids[bi] if inside and bi < len(st.block_ids) else None)
+            keys.append(st.keys[c])
+            blocks.append(row)
+        loads.append(LoadOp(req_id, keys, blocks))
+
+    def _observe_step(self, so: SchedulerOutput) -> None:
+        """Note the prompt tokens this step computes; ``step_done`` times it (the engine's
+        prefill speed, for the load policy)."""
+        tokens = context = 0
+        for new in so.scheduled_new_reqs:
+            n = so.num_scheduled_tokens.get(new.req_id, 0)
+            if n > 1:  # a prefill (a decode step schedules one token)
+                tokens += n
+                context = max(context, new.num_computed_tokens + n)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            n = so.num_scheduled_tokens.get(req_id, 0)
+            if n > 1:
+                tokens += n
+                context = max(context, cached.num_computed_tokens[i] + n)
+        self._last_step = (time.monotonic(), tokens, context) if tokens else None
+
+    def step_done(self, loads: dict[str, tuple[int, float]] | None) -> None:
+        """A step's output arrived: time it, and take what the workers reported of their
+        loads (bytes and seconds per tier)."""
+        if self._last_step is not None:
+            at, tokens, context = self._last_step
+            self._last_step = None
+            self.policy.observe_prefill(tokens, time.monotonic() - at, context)
+        for tier, (nbytes, seconds) in (loads or {}).items():
+            self.policy.observe_load(tier, nbytes, seconds)
+
     def request_finished(self, request: Request) -> None:
         self._reqs.pop(request.request_id, None)
 
-    def stats(self) -> dict[str, int]:
-        return {"lookups": self.lookups, "hit_tokens": self.hit_tokens}
+    def stats(self) -> dict[str, object]:
+        return {"lookups": self.lookups, "hit_tokens": self.hit_tokens, "skipped_tokens": self.skipped_tokens,
+                **self.policy.stats()}
 
     def close(self) -> None:
         """Let go of the store (safe to call more than once)."""

@@ -28,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorSettings
 from .context import ConnectorContext
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from store import Store
@@ -61,6 +64,21 @@ class LMCtlMetadata(KVConnectorMetadata):
     saves: list[SaveOp] = field(default_factory=list)
 
 
+@dataclass
+class LMCtlWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers loaded in one step, per tier: (bytes, seconds). The scheduler side's
+    load policy learns each tier's speed from it."""
+
+    loads: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        out = dict(self.loads)
+        for tier, (b, s) in getattr(other, "loads", {}).items():
+            ob, os_ = out.get(tier, (0, 0.0))
+            out[tier] = (ob + b, max(os_, s))  # ranks load their shares in parallel
+        return LMCtlWorkerMeta(out)
+
+
 def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -72,6 +90,8 @@ def _tp_rank() -> int:
 
 class LMCtlConnector(KVConnectorBase_V1):
     """vLLM v1 connector over an lmctl store (``engine_hook.vllm.LMCtlConnector``)."""
+
+    _cache_hit_source = CacheHitSource.DISK  # vLLM's prompt_tokens_by_source label for our hits
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -113,11 +133,15 @@ class LMCtlConnector(KVConnectorBase_V1):
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler().update_state_after_alloc(request, num_external_tokens)
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, saves = self._scheduler().plan(scheduler_output)
         return LMCtlMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        self._scheduler().step_done(meta.loads if isinstance(meta, LMCtlWorkerMeta) else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().request_finished(request)
@@ -138,8 +162,16 @@ class LMCtlConnector(KVConnectorBase_V1):
         if meta is not None:
             self._worker().load(meta.loads)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._worker().take_finished()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.connector_worker is None else self.connector_worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self._worker().take_load_report()
+        return LMCtlWorkerMeta(report) if report else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -171,8 +203,8 @@ class LMCtlConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict[str, Any]:
         """Counters of both sides; a side this connector does not have counts 0."""
-        out: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "loaded_chunks": 0, "load_failures": 0,
-                               "load_s": 0.0}
+        out: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "skipped_tokens": 0, "loaded_chunks": 0,
+                               "load_failures": 0, "load_s": 0.0}
         if self.connector_scheduler is not None:
             out.update(self.connector_scheduler.stats())
         if self.connector_worker is not None:
@@ -180,8 +212,10 @@ class LMCtlConnector(KVConnectorBase_V1):
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued saves (used by tests and at shutdown)."""
-        return True if self.connector_worker is None else self.connector_worker.flush(timeout)
+        """Wait for loads in flight and queued saves (used by tests and at shutdown)."""
+        if self.connector_worker is None:
+            return True
+        return self.connector_worker.wait_loads(timeout) and self.connector_worker.flush(timeout)
 
     def shutdown(self) -> None:
         """Write what is queued and let go of the store (safe to call more than once)."""

@@ -1,19 +1,25 @@
 """The connector's worker side: copies KV between vLLM's paged cache and the store.
 
-Loads run in ``start_load_kv``, before the forward pass, and read the store there: a slow
-disk slows that step. Saves copy each chunk into a staging buffer after the forward pass
-and hand it to a background writer; when no buffer is free the save is dropped and counted.
+Loads are asynchronous: ``load`` hands each request's chunks to the loader, a thread with
+staging buffers of its own (never shared with saves), which reads, verifies and scatters
+them into the request's blocks while the engine keeps stepping the other requests; the
+request waits (vLLM's WAITING_FOR_REMOTE_KVS) until ``take_finished`` reports it. Saves
+copy each chunk into a staging buffer after the forward pass and hand it to a background
+writer; when no buffer is free the save is dropped and counted, never waited for.
 
 Failures never reach the engine's step loop: they are logged with their traceback. A chunk
 that cannot be loaded is reported, with every block after it, through
-``take_load_errors`` (vLLM recomputes from there); a chunk that cannot be saved is dropped.
+``take_load_errors`` (vLLM recomputes from there), no later than the step that reports its
+request finished; a chunk that cannot be saved is dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +33,9 @@ if TYPE_CHECKING:
     from .context import ConnectorContext
 
 log = logging.getLogger("lmctl.engine_hook")
+
+#: loader threads (and load staging buffers): one request's chunks load in order on one
+LOADERS = 2
 
 
 class LMCtlConnectorWorker:
@@ -42,9 +51,14 @@ class LMCtlConnectorWorker:
         ctx.namespace_book(self.store)
         self._layout = chunk_layout(ctx.kv_format)
         self._paged: PagedKV | None = None
-        self._pool: StagingPool | None = None
+        self._pool: StagingPool | None = None       # saves' staging buffers
+        self._load_pool: StagingPool | None = None  # the loader's own
         self._writer: ChunkWriter | None = None
+        self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-load")
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
+        self._load_report: dict[str, list[float]] = {}  # tier -> [bytes, seconds] since the last report
         self.loaded_chunks = 0
         self.load_failures = 0
         self.load_s = 0.0
@@ -56,54 +70,103 @@ class LMCtlConnectorWorker:
             layers = list(kv_caches.values())
         self._paged = PagedKV(layers, ctx.kv_format, ctx.block_size, ctx.settings.kv_layout)
         self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2)
+        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS)
         self._writer = ChunkWriter(self.store, self._pool)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
 
     # -- loads ------------------------------------------------------------------------
     def load(self, ops: Sequence[LoadOp]) -> None:
-        """Read and scatter each op's chunks into the engine's blocks, now."""
-        if not ops or self._paged is None:
-            return
-        t0 = time.perf_counter()
+        """Start loading each op's chunks on the loader; returns at once."""
         for op in ops:
-            self._load(op)
-        self.load_s += time.perf_counter() - t0
+            if self._paged is None:  # no KV caches registered: nothing can be loaded into
+                fut: Future[set[int]] = Future()
+                fut.set_result({b for row in op.blocks for b in row if b is not None})
+            else:
+                fut = self._loader.submit(self._load, op)
+            with self._lock:
+                self._inflight[op.req_id] = fut
 
-    def _load(self, op: LoadOp) -> None:
-        """Load one request's chunks in order; the first that fails ends the load, and its
-        blocks and every later chunk's are reported for recomputing."""
-        assert self._paged is not None and self._pool is not None
+    def _load(self, op: LoadOp) -> set[int]:
+        """Load one request's chunks in order; the first that fails ends the load. Returns
+        its blocks and every later chunk's, for recomputing."""
+        assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
         done = 0
         buf = None
+        t0 = time.perf_counter()
         try:
-            buf = self._pool.acquire(wait=True)
+            buf = self._load_pool.acquire(wait=True)
             assert buf is not None
             chunk = chunk_tensor(buf, fmt)
             for key, blocks in zip(op.keys, op.blocks, strict=True):
-                if self.store.get_into(key, buf.numpy().data) is None:
+                t = time.perf_counter()
+                info = self.store.get_into(key, buf.numpy().data)
+                if info is None:
                     break  # missing, or failed its checksum (the store dropped and counted it)
                 self._paged.scatter(chunk, blocks)
                 done += 1
-                self.loaded_chunks += 1
+                with self._lock:
+                    self.loaded_chunks += 1
+                    rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
+                    rep[0] += info.raw_bytes
+                    rep[1] += time.perf_counter() - t
         except Exception:
             key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
             log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
             if buf is not None:
-                self._pool.release(buf)
+                self._load_pool.release(buf)
+            with self._lock:
+                self.load_s += time.perf_counter() - t0
+        failed: set[int] = set()
         if done < len(op.keys):
-            self.load_failures += 1
+            with self._lock:
+                self.load_failures += 1
             for row in op.blocks[done:]:
-                self._load_errors.update(b for b in row if b is not None)
+                failed.update(b for b in row if b is not None)
             log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
                         op.req_id, done + 1, len(op.keys))
+        return failed
+
+    def take_finished(self) -> set[str]:
+        """Requests whose loads finished since the last call; their failed blocks go to
+        ``take_load_errors`` now, so vLLM sees them in the same step."""
+        done: set[str] = set()
+        with self._lock:
+            for req_id, fut in list(self._inflight.items()):
+                if fut.done():
+                    del self._inflight[req_id]
+                    done.add(req_id)
+                    try:
+                        self._load_errors.update(fut.result())
+                    except Exception:  # _load catches everything; this is a last resort
+                        log.warning("lmctl: request %s: the load failed", req_id, exc_info=True)
+        return done
+
+    def wait_loads(self, timeout: float | None = None) -> bool:
+        """Wait for every load in flight (tests and shutdown); whether they all finished."""
+        with self._lock:
+            futs = list(self._inflight.values())
+        end = None if timeout is None else time.monotonic() + timeout
+        for f in futs:
+            try:
+                f.result(None if end is None else max(0.0, end - time.monotonic()))
+            except Exception:
+                return False
+        return True
 
     def take_load_errors(self) -> set[int]:
-        """The block ids that failed to load since the last call."""
-        out, self._load_errors = self._load_errors, set()
+        """The block ids that failed to load, of requests reported finished."""
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
         return out
+
+    def take_load_report(self) -> dict[str, tuple[int, float]]:
+        """Bytes and seconds of the chunks loaded since the last call, per tier."""
+        with self._lock:
+            rep, self._load_report = self._load_report, {}
+        return {t: (int(b), s) for t, (b, s) in rep.items()}
 
     # -- saves ------------------------------------------------------------------------
     def save(self, ops: Sequence[SaveOp]) -> None:
@@ -139,7 +202,9 @@ class LMCtlConnectorWorker:
         return True if self._writer is None else self._writer.flush(timeout)
 
     def close(self) -> None:
-        """Write what is queued and let go of the store (safe to call more than once)."""
+        """Finish the loads in flight, write what is queued and let go of the store (safe to
+        call more than once)."""
+        self._loader.shutdown(wait=True)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

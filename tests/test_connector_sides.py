@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -61,6 +63,12 @@ def saved_chunks(worker: LMCtlConnectorWorker, caches: dict[str, torch.Tensor]) 
     return keys
 
 
+def finish(worker: LMCtlConnectorWorker, req_id: str) -> None:
+    """Wait for the worker's loads, as the engine does by polling get_finished each step."""
+    assert worker.wait_loads(30)
+    assert worker.take_finished() == {req_id}
+
+
 # -- the worker side ---------------------------------------------------------------------
 def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConnectorWorker) -> None:
     caches = kv_caches()
@@ -68,6 +76,7 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
     keys = saved_chunks(worker, caches)
     untouched = {n: t[7].clone() for n, t in caches.items()}
     worker.load([LoadOp("r2", keys, [[4, 5], [6, None]])])  # block 7: the engine holds it already
+    finish(worker, "r2")
     assert same_blocks(caches, [4, 5, 6], [0, 1, 2])
     assert all(torch.equal(caches[n][7], untouched[n]) for n in LAYERS)
     assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
@@ -98,6 +107,9 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
 
     with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
         worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])  # must not raise into the step loop
+        assert worker.wait_loads(30)
+        assert worker.take_load_errors() == set()  # not before the request is reported finished
+        assert worker.take_finished() == {"r2"}
 
     failed = [r for r in caplog.records if r.exc_info is not None]
     assert len(failed) == 1 and "request r2: loading chunk" in failed[0].getMessage()
@@ -111,7 +123,40 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
     # the staging buffer went back: the next load works
     monkeypatch.undo()
     worker.load([LoadOp("r3", keys, [[8, 9], [10, 11]])])
+    finish(worker, "r3")
     assert same_blocks(caches, [8, 9, 10, 11], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+
+
+def test_loads_run_beside_the_step_loop_and_never_wait_for_saves(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load() returns at once; the request is reported finished only when its chunks are
+    in its blocks. Meanwhile saves go on (their buffers are not the loader's), and the
+    load's figures reach the scheduler side through the load report."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    gate = threading.Event()
+    real = worker.store.get_into
+
+    def slow(*args: Any) -> Any:
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(worker.store, "get_into", slow)
+    t0 = time.monotonic()
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    assert time.monotonic() - t0 < 1.0
+    assert worker.take_finished() == set()
+    other = Namespace("m", FMT, cache_salt="other").chunk_keys(PROMPT)
+    worker.save([SaveOp("r3", other[0], [0, 1]), SaveOp("r3", other[1], [2, 3])])
+    assert worker.flush(30) and worker.stats()["writer"]["saved"] == 4
+    assert worker.take_finished() == set() and not same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+    gate.set()
+    finish(worker, "r2")
+    assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+    report = worker.take_load_report()
+    assert set(report) == {"nvme"} and report["nvme"][0] == 2 * FMT.chunk_bytes and report["nvme"][1] > 0
+    assert worker.take_load_report() == {}
 
 
 def test_a_failed_save_is_logged_with_its_traceback_and_dropped(
@@ -190,6 +235,14 @@ def step(req_id: str, block_ids: list[int], computed: int, scheduled: int) -> An
         finished_req_ids=set())
 
 
+def empty_step() -> Any:
+    """A scheduler output that schedules nothing (every request waits)."""
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                                 num_computed_tokens=[]),
+                           finished_req_ids=set())
+
+
 def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_path: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -221,18 +274,33 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
         work.clear_connector_metadata()
         assert work.flush(10)
 
-        # the same prompt again: both chunks come from the store, into blocks 5-8
-        assert sched.get_num_new_matched_tokens(request("r2"), 0) == (64, False)
-        sched.update_state_after_alloc(request("r2"), None, 64)  # type: ignore[arg-type]
-        meta = sched.build_connector_meta(step("r2", [5, 6, 7, 8, 9], 64, 16))  # type: ignore[arg-type]
+        # the same prompt again: both chunks come from the store, into blocks 5-8, while
+        # the request waits (an asynchronous load); then it is scheduled with them computed
+        assert sched.get_num_new_matched_tokens(request("r2"), 0) == (64, True)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8, 9],))
+        sched.update_state_after_alloc(request("r2"), blocks, 64)  # type: ignore[arg-type]
+        meta = sched.build_connector_meta(empty_step())  # type: ignore[arg-type]
         assert isinstance(meta, LMCtlMetadata) and meta.saves == []
-        assert [op.blocks for op in meta.loads] == [[[5, 6], [7, 8]]]
+        assert [(op.req_id, op.blocks) for op in meta.loads] == [("r2", [[5, 6], [7, 8]])]
         work.bind_connector_metadata(meta)
         work.start_load_kv(None)  # type: ignore[arg-type]
         work.wait_for_save()
         work.clear_connector_metadata()
+        finished: set[str] = set()
+        for _ in range(200):
+            finished |= work.get_finished(set())[1] or set()
+            if finished:
+                break
+            time.sleep(0.05)
+        assert finished == {"r2"}
         assert same_blocks(caches, [5, 6, 7, 8], [0, 1, 2, 3])
         assert work.get_block_ids_with_load_errors() == set() == sched.get_block_ids_with_load_errors()
+        report = work.build_connector_worker_meta()
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))  # type: ignore[arg-type]
+        assert "nvme" in sched.stats()["load_gbps"]
+        sched.update_state_after_alloc(request("r2"), blocks, 0)  # type: ignore[arg-type]  # after the load
+        meta = sched.build_connector_meta(step("r2", [5, 6, 7, 8, 9], 64, 16))  # type: ignore[arg-type]
+        assert isinstance(meta, LMCtlMetadata) and meta.loads == [] and meta.saves == []
 
         s, w = sched.stats(), work.stats()
         assert (s["lookups"], s["hit_tokens"], s["loaded_chunks"], "writer" in s) == (2, 64, 0, False)

@@ -59,10 +59,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class Engine(BaseEngine):
     """The demo's engine, with adapters by letter and results as (output ids, cached tokens)."""
 
-    def __init__(self, models: dict[str, Path], store: Path | None) -> None:
+    def __init__(self, models: dict[str, Path], store: Path | None, **connector: Any) -> None:
         self.models = models
         self._ids = 0
-        super().__init__(models["base"], store)
+        # the tiny test model computes a prompt faster than it loads one, so the load policy
+        # would recompute: these tests load every hit (test_load_policy_* test the policy)
+        super().__init__(models["base"], store, connector={"load_policy": "always", **connector})
 
     def run(self, tokens: list[int], adapter: str | None = None, salt: str | None = None,
             path: Path | None = None) -> tuple[list[int], int]:
@@ -382,3 +384,32 @@ def test_warm_prefills_a_document_through_vllm_serve(models: dict[str, Path], tm
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_load_policy_recomputes_a_prefix_that_a_slow_tier_would_load_too_slowly(
+        models: dict[str, Path], reference: dict, tmp_path: Path) -> None:
+    """load_policy auto on a real engine with a fault-injected slow tier: the first hit loads
+    (no figures yet) and shows the tier to be slow; the next hit is recomputed, with the
+    same output, and the decision is in the connector's stats."""
+    eng = Engine(models, tmp_path / "store", load_policy="auto")
+    try:
+        assert eng.run(P)[0] == reference[("P", None)]  # a miss: the two chunks are saved
+        conn = eng.connector()
+        sched = next(c for c in live_connectors() if c.role.name == "SCHEDULER")
+        real = conn.store.get_into
+
+        def slow_tier(*args: Any, **kw: Any) -> Any:
+            time.sleep(0.5)  # 1 MiB chunks at 2 MB/s, where this model computes 256 tokens in ms
+            return real(*args, **kw)
+
+        conn.store.get_into = slow_tier  # type: ignore[method-assign]
+        out, cached = eng.run(P)
+        assert out == reference[("P", None)] and cached == 512 and conn.loaded_chunks == 2
+        assert sched.stats()["decisions"]["load"] == 1
+        out, cached = eng.run(P)
+        assert out == reference[("P", None)] and cached == 0 and conn.loaded_chunks == 2
+        s = sched.stats()
+        assert s["decisions"]["recompute"] == 1 and s["skipped_tokens"] == 512
+        assert s["load_gbps"]["nvme"] < 0.01 and s["prefill_ms_per_token"]
+    finally:
+        eng.close()
