@@ -59,6 +59,9 @@ class StoreConfig:
     #: chunks of a model fingerprint that no engine has used for this long, while the same
     #: model id has been served with another fingerprint since, are evicted first
     retire_after_s: float = 3600.0
+    #: raw chunks nobody has read for this long are compressed (zstd-shuffle, level 1) by the
+    #: daemon's maintenance, a batch per pass, off the engine's hot path; 0: never
+    compress_cold_after_s: float = 0.0
 
     def validate(self) -> None:
         if not self.tiers:
@@ -78,6 +81,8 @@ class StoreConfig:
             raise StoreError("low_watermark must be in (0, 1]")
         if self.retire_after_s < 0:
             raise StoreError("retire_after_s must not be negative")
+        if self.compress_cold_after_s < 0:
+            raise StoreError("compress_cold_after_s must not be negative (0 turns it off)")
         from .codec import codec_id
 
         codec_id(self.codec)

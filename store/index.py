@@ -58,6 +58,7 @@ FORMAT_VERSION = 1
 _ENTRY_HEAD = "<6Q2IB"  # seg, off, rec_len, stored_len, raw_len, checksum; tokens, hits; codec
 _ENTRY = struct.Struct(_ENTRY_HEAD + "BB5xdd")  # then tier, level, padding, created, last_access
 ENTRY_TIER_OFFSET = struct.calcsize(_ENTRY_HEAD)  # the tier byte, read without unpacking an entry
+ENTRY_CODEC_OFFSET = struct.calcsize(_ENTRY_HEAD[:-1])  # the codec byte, likewise
 # segs: seg id (BE) -> segment record
 _SEGMENT = struct.Struct("<BBxxIQQQd")
 SEG_OPEN, SEG_SEALED = 0, 1

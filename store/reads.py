@@ -18,7 +18,18 @@ from typing import TYPE_CHECKING
 from .codec import CODEC_NAMES, Codec
 from .config import TIER_NAMES, StoreConfig
 from .errors import CorruptEntry, StoreError
-from .index import ENTRY_TIER_OFFSET, Entry, Index, Txn, drop_corrupt, drop_unreadable, trailer_mismatch
+from .index import (
+    ENTRY_CODEC_OFFSET,
+    ENTRY_TIER_OFFSET,
+    Entry,
+    Index,
+    Txn,
+    drop_corrupt,
+    drop_unreadable,
+    lru_chunk,
+    lru_key,
+    trailer_mismatch,
+)
 from .keys import DTYPE_SIZES, Namespace, short_key
 from .segment import CorruptRecord, SegmentGone
 from .space import TierState
@@ -85,6 +96,24 @@ class Reads:
             hit += 1
         size = ns.kv_format.chunk_size
         return LookupResult(len(tokens), hit * size, size, keys, tiers)
+
+    def coldest(self, tier: int, before: float, codec: int, limit: int) -> list[bytes]:
+        """Up to ``limit`` chunks of ``tier`` in codec ``codec`` last read before ``before``,
+        least recently used first (the LRU order; one read transaction)."""
+        out: list[bytes] = []
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=self.index.lru)
+            if not cur.set_range(lru_key(tier, 0.0, b"")):
+                return out
+            end = lru_key(tier, before, b"")
+            for k in cur.iternext(values=False):
+                if bytes(k) >= end or len(out) >= limit:
+                    break
+                key = lru_chunk(k)
+                raw = t.entry_raw(key)
+                if raw is not None and raw[ENTRY_CODEC_OFFSET] == codec:
+                    out.append(key)
+        return out
 
     def iter_chunks(self, prefix: bytes = b"") -> Iterator[ChunkInfo]:
         """Chunks whose key starts with ``prefix``, in key order, read a page per short

@@ -26,10 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .codec import Codec
+from .codec import Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig
 from .errors import StoreError
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("lmctl.store")
+
+#: raw chunks compressed per maintenance pass by ``compress_cold_after_s``
+COLD_BATCH = 64
 
 
 class Store:
@@ -344,8 +348,9 @@ class Store:
     def maintain(self, high_watermark: float = 0.95) -> MaintenanceResult:
         """Background housekeeping (the daemon calls it periodically): evict any tier above
         ``high_watermark`` of its capacity down to the low watermark, forget vanished
-        segments, compact the journal and mostly-dead segments, and write pending access
-        times. Returns what it did."""
+        segments, compact the journal and mostly-dead segments, write pending access times,
+        and compress a batch of cold raw chunks (``compress_cold_after_s``). Returns what it
+        did."""
         out = MaintenanceResult()
         for name, st in self._tiers.items():
             if self._space.used(name) > high_watermark * st.cfg.capacity:
@@ -358,7 +363,19 @@ class Store:
             log.warning("could not compact the metadata journal: %s", exc)
         out.segments_compacted, out.bytes_reclaimed = self.compact()
         self.flush()
+        if self.config.compress_cold_after_s > 0:
+            out.chunks_compressed = self._compress_cold()
         return out
+
+    def _compress_cold(self, batch: int = COLD_BATCH) -> int:
+        """Compress up to ``batch`` raw chunks unread for ``compress_cold_after_s`` (oldest first)."""
+        before = time.time() - self.config.compress_cold_after_s
+        done = 0
+        for st in self._tiers.values():
+            keys = self._reads.coldest(st.tid, before, codec_id("raw"), batch - done)
+            if keys:
+                done += self.rewrite(keys, codec="zstd-shuffle", level=1).chunks
+        return done
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False,

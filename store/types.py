@@ -116,6 +116,7 @@ class MaintenanceResult:
     segments_compacted: int = 0
     bytes_reclaimed: int = 0
     segments_forgotten: int = 0
+    chunks_compressed: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

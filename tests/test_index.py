@@ -7,6 +7,7 @@ import json
 import os
 import tarfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,3 +273,21 @@ def test_a_store_written_by_an_earlier_lmctl_opens_unchanged(tmp_path: Path) -> 
         assert any(doc["namespace"].get("salt_digest") for _r, doc in s.namespace_records().values())
         assert [p for p in s.check(deep=True) if not p.fixed] == []
         assert s.stats().tiers["nvme"].chunks == len(kept)
+
+
+def test_maintenance_compresses_cold_raw_chunks_only(make_store: MakeStore, ns: Namespace) -> None:
+    s = make_store(compress_cold_after_s=0.5)
+    keys = ns.chunk_keys(list(range(16 * 6)))
+    data = {k: content(k, 8192)[:4096] * 2 for k in keys}  # compressible
+    assert all(s.put_many([PutItem(k, data[k], SMALL_LAYOUT, 16) for k in keys]))
+    s.pin("doc", keys[:1])
+    time.sleep(0.7)
+    for k in keys[4:]:  # read now: not cold
+        assert s.get(k) is not None
+    s.flush()
+    assert s.maintain().chunks_compressed == 4
+    assert [s.info(k).codec for k in keys] == ["zstd-shuffle"] * 4 + ["raw"] * 2  # type: ignore[union-attr]
+    assert all(bytes(c.data) == data[k] for k in keys if (c := s.get(k, touch=False)) is not None)
+    assert s.pin_refs(keys[0]) == 1
+    assert s.maintain().chunks_compressed == 0  # nothing left that is cold and raw
+    assert [p for p in s.check(deep=True) if not p.fixed] == []
