@@ -38,17 +38,19 @@ def chunk_layout(fmt: KVFormat) -> dict[str, Any]:
 
 
 class StagingPool:
-    """``count`` aligned buffers of ``nbytes`` each, handed out without blocking."""
+    """``count`` aligned buffers of ``nbytes`` each, handed out without blocking; ``pinned``
+    (page-locked host memory) for engines on a CUDA device, so copies to it are DMA."""
 
-    def __init__(self, nbytes: int, count: int) -> None:
+    def __init__(self, nbytes: int, count: int, pinned: bool = False) -> None:
         self.nbytes = nbytes
+        self.pinned = pinned
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._backing: list[torch.Tensor] = []
         for _ in range(count):
             self._free.put(self._alloc())
 
     def _alloc(self) -> torch.Tensor:
-        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8)
+        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
         self._backing.append(raw)
         skip = (-raw.data_ptr()) % ALIGN
         buf = raw[skip : skip + self.nbytes]

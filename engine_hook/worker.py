@@ -56,6 +56,7 @@ class LMCtlConnectorWorker:
         self._writer: ChunkWriter | None = None
         self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-load")
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._inflight: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
         self._load_report: dict[str, list[float]] = {}  # tier -> [bytes, seconds] since the last report
@@ -69,8 +70,9 @@ class LMCtlConnectorWorker:
         if len(layers) != len(ctx.layer_names):
             layers = list(kv_caches.values())
         self._paged = PagedKV(layers, ctx.kv_format, ctx.block_size, ctx.settings.kv_layout)
-        self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2)
-        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS)
+        cuda = self._paged.device.type == "cuda"
+        self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2, pinned=cuda)
+        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS, pinned=cuda)
         self._writer = ChunkWriter(self.store, self._pool)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
@@ -99,12 +101,18 @@ class LMCtlConnectorWorker:
             buf = self._load_pool.acquire(wait=True)
             assert buf is not None
             chunk = chunk_tensor(buf, fmt)
+            stream = self._stream()
             for key, blocks in zip(op.keys, op.blocks, strict=True):
                 t = time.perf_counter()
                 info = self.store.get_into(key, buf.numpy().data)
                 if info is None:
                     break  # missing, or failed its checksum (the store dropped and counted it)
-                self._paged.scatter(chunk, blocks)
+                if stream is None:
+                    self._paged.scatter(chunk, blocks)
+                else:  # on a side stream, so the engine's own stream never waits for it
+                    with torch.cuda.stream(stream):
+                        self._paged.scatter(chunk, blocks)
+                    stream.synchronize()  # the copy is done before the buffer takes the next chunk
                 done += 1
                 with self._lock:
                     self.loaded_chunks += 1
@@ -128,6 +136,16 @@ class LMCtlConnectorWorker:
             log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
                         op.req_id, done + 1, len(op.keys))
         return failed
+
+    def _stream(self) -> Any:
+        """This loader thread's CUDA stream (None on a CPU engine)."""
+        assert self._paged is not None
+        if self._paged.device.type != "cuda":
+            return None
+        s = getattr(self._local, "stream", None)
+        if s is None:
+            s = self._local.stream = torch.cuda.Stream(device=self._paged.device)
+        return s
 
     def take_finished(self) -> set[str]:
         """Requests whose loads finished since the last call; their failed blocks go to

@@ -16,6 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    gpu = [i for i in items if i.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 def content(key: bytes, n: int) -> bytes:
     """Deterministic payload for a key, so any process can check what it reads."""
     seed = hashlib.sha256(key).digest()

@@ -316,3 +316,18 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
         assert again is not store  # both sides let go: the last one closed it
     finally:
         release_shared(again)
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_engine_loads_use_pinned_buffers_and_a_side_stream(worker: LMCtlConnectorWorker) -> None:
+    """The same round trip as on the CPU, with the paged KV on a CUDA device: staging buffers
+    are page-locked and loads copy on the loader's own stream."""
+    caches = {n: t.cuda() for n, t in kv_caches().items()}
+    worker.register_kv_caches(caches)
+    assert worker._pool is not None and worker._pool.pinned and worker._load_pool is not None
+    keys = saved_chunks(worker, caches)
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    finish(worker, "r2")
+    torch.cuda.synchronize()
+    assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+    assert worker.take_load_errors() == set()
