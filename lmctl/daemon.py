@@ -32,8 +32,9 @@ from store.private import make_private_dir
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
-from .ops import OPS, check_pin_budgets, set_caller
+from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
+from .selection import set_caller
 
 log = logging.getLogger("lmctl.daemon")
 
