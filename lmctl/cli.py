@@ -334,51 +334,6 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change;
 
 
 # -- commands ---------------------------------------------------------------------------------
-def _pairs(values: list[str] | None, flag: str, default_key: str | None = None) -> list[tuple[str, str]]:
-    """``TIER=VALUE`` flags (``VALUE`` alone means ``default_key``)."""
-    out = []
-    for v in values or []:
-        k, sep, val = v.partition("=")
-        if not sep:
-            if default_key is None:
-                raise CommandError("usage", f"{flag} {v!r}: expected TIER=VALUE")
-            k, val = default_key, v
-        if not k or not val:
-            raise CommandError("usage", f"{flag} {v!r}: expected TIER=VALUE")
-        out.append((k.strip(), val.strip()))
-    return out
-
-
-def serve_settings(config: str | None, *, capacity: list[str] | None = None, tier_path: list[str] | None = None,
-                   pin_budget: list[str] | None = None, codec: str | None = None, codec_level: int | None = None,
-                   settings: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The daemon's settings from ``--config FILE`` and flags (flags win): ``(daemon, store)``."""
-    from store import StoreError
-
-    from .settings import read_config_file
-
-    daemon: dict[str, Any] = {}
-    store: dict[str, Any] = {}
-    if config:
-        try:
-            daemon, store = read_config_file(config)
-        except StoreError as exc:
-            raise CommandError("usage", str(exc)) from None
-    for tier, val in _pairs(tier_path, "--tier-path"):
-        store[f"tiers.{tier}.path"] = val
-    for tier, val in _pairs(capacity, "--capacity", "@default"):
-        store[f"tiers.{tier}.capacity"] = val
-    for tier, val in _pairs(pin_budget, "--pin-budget", "@default"):
-        store[f"tiers.{tier}.pin_budget"] = val
-    if codec is not None:
-        store["codec"] = codec
-    if codec_level is not None:
-        store["codec_level"] = codec_level
-    for k, val in _pairs(settings, "--set"):
-        store[k] = val
-    return daemon, store
-
-
 @app.command()
 def serve(
     ctx: typer.Context,
@@ -411,14 +366,18 @@ def serve(
 
     from store import StoreError
 
-    from .daemon import AlreadyServing, Daemon
+    from .daemon import Daemon, socket_access
     from .errors import UsageError
+    from .settings import serve_settings
 
     term = _term(ctx)
 
     def body() -> None:
-        daemon, changes = serve_settings(config, capacity=capacity, tier_path=tier_path, pin_budget=pin_budget,
-                                         codec=codec, codec_level=codec_level, settings=set_)
+        try:
+            daemon, changes = serve_settings(config, capacity=capacity, tier_path=tier_path, pin_budget=pin_budget,
+                                             codec=codec, codec_level=codec_level, settings=set_)
+        except UsageError as exc:
+            raise CommandError("usage", str(exc)) from None
         store_dir = store or daemon.get("store")
         if not store_dir:
             raise CommandError("usage", "give --store DIR (or $LMCTL_STORE, or store in the config file's [daemon])")
@@ -432,43 +391,24 @@ def serve(
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
             raise CommandError("usage", f"--maintenance-interval must be a positive number of seconds, not {interval}")
         uids = list(allow_uid or daemon.get("allow_uid") or [])
-        mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
-                                  socket_group or daemon.get("socket_group"))
+        try:
+            mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
+                                      socket_group or daemon.get("socket_group"))
+        except UsageError as exc:
+            raise CommandError("usage", str(exc)) from None
         logging.basicConfig(stream=sys.stderr, level=getattr(logging, level),
                             format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
         try:
             d = Daemon(store_dir, sock, uids, float(interval), socket_mode=mode, socket_group=gid, init=init,
                        settings=changes)
-            code = d.serve()
+            clean = d.serve()
         except UsageError as exc:
             raise CommandError("usage", str(exc)) from None
-        except (AlreadyServing, StoreError) as exc:
+        except StoreError as exc:
             raise CommandError("failed", str(exc)) from None
-        raise typer.Exit(code)
+        raise typer.Exit(int(Exit.OK if clean else Exit.FAILED))
 
     run(term, body)
-
-
-def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tuple[int, int | None]:
-    """``--socket-mode`` and ``--socket-group`` checked: (mode, gid or None)."""
-    text = str(socket_mode)
-    try:
-        mode = int(text.removeprefix("0o"), 8)
-    except ValueError:
-        raise CommandError("usage", f"--socket-mode {text!r} is not an octal mode such as 0600 or 0660") from None
-    if mode & ~0o666 or mode & 0o600 != 0o600:
-        raise CommandError("usage", f"--socket-mode {text} must give the owner read and write and nobody execute "
-                                    "(0600, 0620, 0660, 0666)")
-    gid = None
-    if socket_group is not None:
-        import grp
-
-        group = str(socket_group)
-        try:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise CommandError("usage", f"--socket-group: no group named {group!r}") from None
-    return mode, gid
 
 
 @app.command()
