@@ -387,11 +387,11 @@ def test_cli_never_imports_torch_or_vllm() -> None:
 
 
 def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path) -> None:
-    from lmctl.cli import completion_script
+    from lmctl.completion import script
 
     for shell, name in (("bash", "lmctl.bash"), ("zsh", "_lmctl"), ("fish", "lmctl.fish")):
         committed = (ROOT / "completions" / name).read_text()
-        assert committed == completion_script(shell), (
+        assert committed == script(shell), (
             f"completions/{name} is stale: run lmctl completion show {shell} > completions/{name}")
     env = env_with_path()
     env["HOME"] = str(tmp_path)
@@ -399,7 +399,7 @@ def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path)
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0
     installed = tmp_path / ".local/share/bash-completion/completions/lmctl"
-    assert installed.read_text() == completion_script("bash")
+    assert installed.read_text() == script("bash")
 
 
 def test_completion_callback_offers_labels_from_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
@@ -456,9 +456,12 @@ def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon
 
 
 def test_cli_reference_in_the_docs_matches_the_app() -> None:
-    from lmctl.cli import reference_markdown
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
     doc = (ROOT / "docs" / "cli.md").read_text()
-    start = doc.index("<!-- generated: lmctl reference -->\n") + len("<!-- generated: lmctl reference -->\n")
-    end = doc.index("<!-- end generated -->")
-    assert doc[start:end] == reference_markdown(), "docs/cli.md reference is stale: regenerate it from the app"
+    assert gen.documented(doc) == gen.reference_markdown(), (
+        "docs/cli.md reference is stale: run scripts/gen_cli_reference.py")

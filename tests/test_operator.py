@@ -16,7 +16,7 @@ import pytest
 from conftest import fake_engine, flip_byte
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, env_with_path, fill, library, tokens_file
 
-from lmctl.cli import bash_completion_note
+from lmctl.completion import bash_completion_note
 from store import AdapterIdentity, GiB, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
 
 
