@@ -310,6 +310,51 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(daemon: Daemon)
     assert daemon.proc.poll() is None
 
 
+def test_a_client_that_stalls_mid_frame_is_dropped_at_the_deadline(tmp_path: Path) -> None:
+    """A frame header and part of its body, then nothing: once the frame deadline has passed
+    the daemon answers a protocol error and hangs up; everyone else is served meanwhile."""
+    fill(tmp_path / "store")
+    env = env_with_path()
+    env["LMCTL_FRAME_TIMEOUT_S"] = "1.5"
+    d = Daemon(tmp_path / "store", env=env)
+    d.start()
+    try:
+        steady = _raw(d)
+        staller = _raw(d)
+        staller.sendall(struct.pack(">2sBxI", b"LM", protocol.VERSION, 100) + b'{"id": 1, ')
+        stalled_at = time.monotonic()
+        served = 0
+        while time.monotonic() - stalled_at < 1.0:  # the stall holds up no one
+            for s in (steady, _raw(d)):
+                asked = time.monotonic()
+                protocol.send(s, {"id": 1, "cmd": "status", "args": {}})
+                r = protocol.read_frame(s, 5)
+                assert r is not None and r["ok"] is True and time.monotonic() - asked < 0.5
+                served += 1
+                if s is not steady:
+                    s.close()
+            time.sleep(0.1)
+        assert served >= 4
+        r = protocol.read_frame(staller, 10)
+        waited = time.monotonic() - stalled_at
+        assert r is not None and r["ok"] is False and r["error"]["code"] == "protocol", r
+        assert "not received within" in r["error"]["message"]
+        assert 1.3 <= waited < 5, waited
+        try:  # then it hangs up
+            assert staller.recv(1) == b""
+        except ConnectionResetError:
+            pass
+        staller.close()
+        protocol.send(steady, {"id": 2, "cmd": "status", "args": {}})
+        r = protocol.read_frame(steady, 5)
+        assert r is not None and r["ok"] is True and r["result"]["daemon"]["errors"] == 1
+        assert r["result"]["daemon"]["clients"] == 1  # the staller's connection is gone
+        steady.close()
+        assert d.proc is not None and d.proc.poll() is None
+    finally:
+        assert d.stop() == 0
+
+
 def test_socket_is_private_and_other_uids_are_refused(tmp_path: Path) -> None:
     import tempfile
 
