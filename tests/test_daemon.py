@@ -11,7 +11,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +78,6 @@ class Daemon:
         rc = self.proc.wait(timeout=30)
         self.proc = None
         return rc
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    fill(tmp_path / "store")
-    d = Daemon(tmp_path / "store")
-    d.start()
-    yield d
-    if d.proc is not None:
-        assert d.stop() == 0
-    assert not d.sock.exists()
 
 
 def cli(d: Daemon | None, *args: str, stdin: str | None = None,
