@@ -86,10 +86,9 @@ class Shell:
             return self.term.report("usage", f"unknown command {words[0]!r}; type help")
         saved, self.term.json = self.term.json, self.term.json or as_json
         try:
-            # the same rule as the one-shot CLI: usage errors are one line (or JSON), exit 2
+            # the same rule as the one-shot CLI: an error (a bug too) is one line or the JSON
+            # error object, never the end of the session
             return int(self.cmd.run_line(words, self.term))
-        except Exception as exc:  # a bug in one command: never the end of the session
-            return self.term.fail(exc)
         finally:
             self.term.json = saved
 
