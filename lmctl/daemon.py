@@ -32,8 +32,9 @@ from store.private import make_private_dir
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
-from .ops import OPS, check_pin_budgets, set_caller
+from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
+from .selection import set_caller
 
 log = logging.getLogger("lmctl.daemon")
 
@@ -249,6 +250,28 @@ def socket_access_problem(socket_path: str, store_dir: str, mode: int, gid: int 
     return None
 
 
+def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tuple[int, int | None]:
+    """``--socket-mode`` and ``--socket-group`` checked: (mode, gid or None)."""
+    text = str(socket_mode)
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise UsageError(f"--socket-mode {text!r} is not an octal mode such as 0600 or 0660") from None
+    if mode & ~0o666 or mode & 0o600 != 0o600:
+        raise UsageError(f"--socket-mode {text} must give the owner read and write and nobody execute "
+                         "(0600, 0620, 0660, 0666)")
+    gid = None
+    if socket_group is not None:
+        import grp
+
+        group = str(socket_group)
+        try:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise UsageError(f"--socket-group: no group named {group!r}") from None
+    return mode, gid
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
@@ -358,7 +381,9 @@ class Daemon:
                 f"--allow-uid: {problem}; pass e.g. --socket /run/lmctl/lmctl.sock --socket-mode 0660 "
                 "--socket-group lmctl (a folder that user can pass through, a group it is in)")
 
-    def serve(self) -> int:
+    def serve(self) -> bool:
+        """Serve until SIGTERM/SIGINT; True when every client thread finished and the store was
+        closed, False when some request did not stop in time (the store is crash-safe)."""
         self._check_access()  # before anything is created
         self._check_store()
         try:
@@ -420,7 +445,7 @@ class Daemon:
             for fd in (self._lockfd, self._store_lockfd):
                 if fd is not None:
                     os.close(fd)
-        return 0 if clean else 1
+        return clean
 
     def _drain(self, threads: list[threading.Thread]) -> bool:
         """Wake idle clients (they are hung up on) and let running jobs stop: each one is

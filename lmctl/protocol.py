@@ -15,6 +15,7 @@ the connection, since the rest of the stream cannot be trusted.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import time
@@ -61,7 +62,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None, buf: bytear
 
 
 #: once a frame has begun, all of it (header and body) must arrive within this many seconds
-FRAME_TIMEOUT = 30.0
+#: (``$LMCTL_FRAME_TIMEOUT_S`` sets another: tests of a stalled client make it short)
+FRAME_TIMEOUT = float(os.environ.get("LMCTL_FRAME_TIMEOUT_S") or 30.0)
 
 
 def read_frame(sock: socket.socket, idle_timeout: float | None = None) -> dict[str, Any] | None:

@@ -17,11 +17,12 @@ from typing import Any
 from store import StoreConfig, StoreError, TierConfig
 from store.config import TIER_ORDER, parse_capacity, parse_size, parse_unit_size
 
+from .errors import UsageError
 from .units import parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
-              "access_flush_s", "compact_dead_ratio", "retire_after_s")
+              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s")
 TIER_KEYS = ("capacity", "path", "pin_budget")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group")
@@ -93,7 +94,7 @@ def _read_store_key(key: str, value: Any) -> Any:
         return parse_unit_size(value, key)
     if key == "fsync":
         return _bool(value, key)
-    if key in ("access_flush_s", "retire_after_s"):
+    if key in ("access_flush_s", "retire_after_s", "compress_cold_after_s"):
         secs = _duration(value, key)
         if secs < 0:
             raise StoreError(f"{key} must not be negative")
@@ -184,3 +185,46 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     changes = flatten(doc.get("store") or {})
     changes.update(flatten({"tiers": doc.get("tiers") or {}}))
     return daemon, changes
+
+
+def _pairs(values: list[str] | None, flag: str, default_key: str | None = None) -> list[tuple[str, str]]:
+    """``TIER=VALUE`` flags (``VALUE`` alone means ``default_key``)."""
+    out = []
+    for v in values or []:
+        k, sep, val = v.partition("=")
+        if not sep:
+            if default_key is None:
+                raise UsageError(f"{flag} {v!r}: expected TIER=VALUE")
+            k, val = default_key, v
+        if not k or not val:
+            raise UsageError(f"{flag} {v!r}: expected TIER=VALUE")
+        out.append((k.strip(), val.strip()))
+    return out
+
+
+def serve_settings(config: str | None, *, capacity: list[str] | None = None, tier_path: list[str] | None = None,
+                   pin_budget: list[str] | None = None, codec: str | None = None, codec_level: int | None = None,
+                   settings: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``lmctl serve``'s settings from ``--config FILE`` and its flags (flags win): ``(daemon,
+    store)``, the store's as dotted names (``tiers.@default.capacity`` for the default tier's).
+    Everything wrong here is a ``UsageError``; the values are checked when they are applied."""
+    daemon: dict[str, Any] = {}
+    store: dict[str, Any] = {}
+    if config:
+        try:
+            daemon, store = read_config_file(config)
+        except StoreError as exc:
+            raise UsageError(str(exc)) from None
+    for tier, val in _pairs(tier_path, "--tier-path"):
+        store[f"tiers.{tier}.path"] = val
+    for tier, val in _pairs(capacity, "--capacity", "@default"):
+        store[f"tiers.{tier}.capacity"] = val
+    for tier, val in _pairs(pin_budget, "--pin-budget", "@default"):
+        store[f"tiers.{tier}.pin_budget"] = val
+    if codec is not None:
+        store["codec"] = codec
+    if codec_level is not None:
+        store["codec_level"] = codec_level
+    for k, val in _pairs(settings, "--set"):
+        store[k] = val
+    return daemon, store

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import typer
+
+from .terminal import ExitStatus, Terminal
 
 HISTORY = os.path.expanduser("~/.lmctl_history")
 VALUE_NAMES = {"--label": "labels", "--adapter": "adapters", "--model": "models"}
@@ -21,15 +21,12 @@ NOT_IN_SHELL = {"shell", "serve", "completion"}
 
 
 class Shell:
-    def __init__(self, app: typer.Typer, term: Any, invoke: Callable[[list[str], Any], int],
-                 report: Callable[[bool, str, str], int]) -> None:
-        # the CLI's own invoke/report (passed in: under ``python -m lmctl.cli`` the CLI module
-        # is __main__, and importing it again would make a second, different Terminal class)
+    def __init__(self, app: typer.Typer, term: Terminal) -> None:
+        # the CLI's app is passed in: under ``python -m lmctl.cli`` the CLI module is
+        # __main__, and importing it again would make a second app
         self.app = app
         self.term = term
-        self.invoke = invoke
-        self.report = report
-        cmd: Any = typer.main.get_command(app)
+        cmd: Any = typer.main.get_command(app)  # the CLI's root command: it runs a line by the one rule
         self.cmd = cmd
         self.commands: dict[str, Any] = {n: c for n, c in cmd.commands.items() if n not in NOT_IN_SHELL}
         self._names: dict[str, list[str]] | None = None
@@ -76,32 +73,31 @@ class Shell:
         try:
             words = shlex.split(line)
         except ValueError as exc:
-            return self.report(self.term.json, "usage", str(exc))
+            return self.term.report("usage", str(exc))
         as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
         words = [w for w in words if w != "--json"]
         if not words:
-            return 0
+            return ExitStatus.OK
         if words[0] in ("help", "?"):
             return self._help(words[1:])
         if words[0] in NOT_IN_SHELL:
-            return self.report(self.term.json, "usage", f"{words[0]} is not available inside the shell")
+            return self.term.report("usage", f"{words[0]} is not available inside the shell")
         if words[0] not in self.commands:
-            return self.report(self.term.json, "usage", f"unknown command {words[0]!r}; type help")
+            return self.term.report("usage", f"unknown command {words[0]!r}; type help")
         saved, self.term.json = self.term.json, self.term.json or as_json
         try:
-            # the same rule as the one-shot CLI: usage errors are one line (or JSON), exit 2
-            return self.invoke(words, self.term)
-        except Exception as exc:  # a bug in one command: never the end of the session
-            return self.report(self.term.json, "failed", f"internal error: {type(exc).__name__}: {exc}")
+            # the same rule as the one-shot CLI: an error (a bug too) is one line or the JSON
+            # error object, never the end of the session
+            return int(self.cmd.run_line(words, self.term))
         finally:
             self.term.json = saved
 
     def _help(self, rest: list[str]) -> int:
         if rest and rest[0] in self.commands:
             return self.execute(f"{shlex.quote(rest[0])} --help")
-        print("commands: " + ", ".join(sorted(self.commands)))
-        print("help COMMAND shows its options; Tab completes; exit or Ctrl-D leaves")
-        return 0
+        self.term.echo("commands: " + ", ".join(sorted(self.commands)))
+        self.term.echo("help COMMAND shows its options; Tab completes; exit or Ctrl-D leaves")
+        return ExitStatus.OK
 
     def loop(self) -> None:
         try:
@@ -116,21 +112,21 @@ class Shell:
             readline.set_completer_delims(" \t\n\"'")
             readline.set_completer(self._complete)
             readline.parse_and_bind("tab: complete")
-        print(f"lmctl shell on {self.term.socket}; type help, Tab to complete, exit to leave")
+        self.term.echo(f"lmctl shell on {self.term.socket}; type help, Tab to complete, exit to leave")
         try:
             while True:
                 try:
                     line = input("lmctl> ")
                 except EOFError:
-                    print()
+                    self.term.echo()
                     break
                 except KeyboardInterrupt:
-                    print()
+                    self.term.echo()
                     continue
                 if line.strip() in ("exit", "quit"):
                     break
                 self.execute(line)
-                sys.stdout.flush()
+                self.term.out.flush()
         finally:
             if readline is not None:
                 try:
@@ -143,5 +139,4 @@ class Shell:
                         os.umask(old)
                 except OSError:
                     pass
-            if self.term.client is not None:
-                self.term.client.close()
+            self.term.hang_up()

@@ -6,11 +6,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from store import GiB, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+
+if TYPE_CHECKING:
+    from test_daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -75,6 +78,20 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
 @pytest.fixture
 def store(make_store: Callable[..., Store]) -> Store:
     return make_store()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """``lmctl serve`` over a store of six chunks (``test_daemon.fill``); it must stop cleanly."""
+    from test_daemon import Daemon, fill
+
+    fill(tmp_path / "store")
+    d = Daemon(tmp_path / "store")
+    d.start()
+    yield d
+    if d.proc is not None:
+        assert d.stop() == 0
+    assert not d.sock.exists()
 
 
 def env_with_path() -> dict[str, str]:

@@ -11,7 +11,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +78,6 @@ class Daemon:
         rc = self.proc.wait(timeout=30)
         self.proc = None
         return rc
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    fill(tmp_path / "store")
-    d = Daemon(tmp_path / "store")
-    d.start()
-    yield d
-    if d.proc is not None:
-        assert d.stop() == 0
-    assert not d.sock.exists()
 
 
 def cli(d: Daemon | None, *args: str, stdin: str | None = None,
@@ -310,6 +299,51 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(daemon: Daemon)
     assert daemon.proc.poll() is None
 
 
+def test_a_client_that_stalls_mid_frame_is_dropped_at_the_deadline(tmp_path: Path) -> None:
+    """A frame header and part of its body, then nothing: once the frame deadline has passed
+    the daemon answers a protocol error and hangs up; everyone else is served meanwhile."""
+    fill(tmp_path / "store")
+    env = env_with_path()
+    env["LMCTL_FRAME_TIMEOUT_S"] = "1.5"
+    d = Daemon(tmp_path / "store", env=env)
+    d.start()
+    try:
+        steady = _raw(d)
+        staller = _raw(d)
+        staller.sendall(struct.pack(">2sBxI", b"LM", protocol.VERSION, 100) + b'{"id": 1, ')
+        stalled_at = time.monotonic()
+        served = 0
+        while time.monotonic() - stalled_at < 1.0:  # the stall holds up no one
+            for s in (steady, _raw(d)):
+                asked = time.monotonic()
+                protocol.send(s, {"id": 1, "cmd": "status", "args": {}})
+                r = protocol.read_frame(s, 5)
+                assert r is not None and r["ok"] is True and time.monotonic() - asked < 0.5
+                served += 1
+                if s is not steady:
+                    s.close()
+            time.sleep(0.1)
+        assert served >= 4
+        r = protocol.read_frame(staller, 10)
+        waited = time.monotonic() - stalled_at
+        assert r is not None and r["ok"] is False and r["error"]["code"] == "protocol", r
+        assert "not received within" in r["error"]["message"]
+        assert 1.3 <= waited < 5, waited
+        try:  # then it hangs up
+            assert staller.recv(1) == b""
+        except ConnectionResetError:
+            pass
+        staller.close()
+        protocol.send(steady, {"id": 2, "cmd": "status", "args": {}})
+        r = protocol.read_frame(steady, 5)
+        assert r is not None and r["ok"] is True and r["result"]["daemon"]["errors"] == 1
+        assert r["result"]["daemon"]["clients"] == 1  # the staller's connection is gone
+        steady.close()
+        assert d.proc is not None and d.proc.poll() is None
+    finally:
+        assert d.stop() == 0
+
+
 def test_socket_is_private_and_other_uids_are_refused(tmp_path: Path) -> None:
     import tempfile
 
@@ -387,11 +421,11 @@ def test_cli_never_imports_torch_or_vllm() -> None:
 
 
 def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path) -> None:
-    from lmctl.cli import completion_script
+    from lmctl.completion import script
 
     for shell, name in (("bash", "lmctl.bash"), ("zsh", "_lmctl"), ("fish", "lmctl.fish")):
         committed = (ROOT / "completions" / name).read_text()
-        assert committed == completion_script(shell), (
+        assert committed == script(shell), (
             f"completions/{name} is stale: run lmctl completion show {shell} > completions/{name}")
     env = env_with_path()
     env["HOME"] = str(tmp_path)
@@ -399,7 +433,7 @@ def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path)
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0
     installed = tmp_path / ".local/share/bash-completion/completions/lmctl"
-    assert installed.read_text() == completion_script("bash")
+    assert installed.read_text() == script("bash")
 
 
 def test_completion_callback_offers_labels_from_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
@@ -456,9 +490,12 @@ def test_shell_runs_commands_completes_labels_and_survives_errors(daemon: Daemon
 
 
 def test_cli_reference_in_the_docs_matches_the_app() -> None:
-    from lmctl.cli import reference_markdown
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
     doc = (ROOT / "docs" / "cli.md").read_text()
-    start = doc.index("<!-- generated: lmctl reference -->\n") + len("<!-- generated: lmctl reference -->\n")
-    end = doc.index("<!-- end generated -->")
-    assert doc[start:end] == reference_markdown(), "docs/cli.md reference is stale: regenerate it from the app"
+    assert gen.documented(doc) == gen.reference_markdown(), (
+        "docs/cli.md reference is stale: run scripts/gen_cli_reference.py")

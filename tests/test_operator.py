@@ -16,7 +16,7 @@ import pytest
 from conftest import fake_engine, flip_byte
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, env_with_path, fill, library, tokens_file
 
-from lmctl.cli import bash_completion_note
+from lmctl.completion import bash_completion_note
 from store import AdapterIdentity, GiB, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
 
 
@@ -275,6 +275,9 @@ path = "{tmp_path / 'shm'}"
         bad = cli(d, "config", "set", "tiers.tape.capacity=1GiB")
         assert bad.returncode == 2 and "tape" in bad.stderr
         assert cli(d, "config", "set", "nonsense=1").returncode == 2
+        r = cj(d, "config", "set", "compress_cold_after_s=6h")
+        assert r["settings"]["compress_cold_after_s"] == 6 * 3600 and r["changed"] == ["compress_cold_after_s"]
+        assert cli(d, "config", "set", "compress_cold_after_s=-1h").returncode == 2
     finally:
         assert d.stop() == 0
     with Store(d.store, readonly=True) as s:  # recorded in the store

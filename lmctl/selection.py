@@ -1,0 +1,316 @@
+"""The daemon's side of the shared selectors (SPEC section 6): a request's selector resolved
+to chunk keys.
+
+A selector names chunks by key, by filters (model, adapter, base, label, tier, age, pins)
+or by a document, whose keys are computed in the namespaces the engine hook recorded for
+the model. The CLI builds selectors (``lmctl/selectors.py``); the operations
+(``lmctl/ops.py``) act on what ``select`` resolves them to. Errors in a selector are
+``UsageError``s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from store import AdapterIdentity, ChunkInfo, Namespace, Store, StoreError, adapter_digest, parse_key
+
+from .errors import UsageError
+
+
+def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """A request's argument ``name`` of type ``kind`` (``default`` when absent or null)."""
+    v = args.get(name, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, float)):
+        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise UsageError(f"argument {name!r} must be {want}, got {type(v).__name__}")
+    return v
+
+
+@dataclass
+class Selection:
+    """Chunks picked by a selector: keys in order, plus the namespaces a document used."""
+
+    keys: list[bytes]
+    namespaces: list[Namespace]
+    token_ids: list[int] | None = None   # the document's tokens (None without a document)
+
+
+@dataclass
+class Recorded:
+    """A namespace as the engine hook recorded it. ``nid`` is the record's key (the chunk
+    key prefix); ``ns`` is its namespace without the cache salt, which the store never
+    keeps (``salted`` says whether it had one; ``salt_digest`` is the salt's keyed digest)."""
+
+    nid: bytes
+    ns: Namespace
+    doc: dict[str, Any]
+    salted: bool
+    salt_digest: str | None = None
+
+    @property
+    def updated(self) -> float:
+        return float(self.doc.get("updated", 0))
+
+
+def recorded_namespaces(store: Store) -> list[Recorded]:
+    """The recorded namespaces. A record keeps only a keyed digest of its salt, so it names
+    its chunks' prefix (``nid``) but computes keys only given the salt."""
+    return [Recorded(nid, rec.namespace(None), doc, rec.salted, rec.salt_digest)
+            for nid, (rec, doc) in store.namespace_records().items()]
+
+
+def _is_path(spec: str) -> bool:
+    """An adapter spec is a folder only when it looks like a path: a name is a name."""
+    return os.sep in spec or spec in (".", "..") or spec.startswith("~")
+
+
+#: an adapter folder is hashed by the daemon only within these bounds
+ADAPTER_MAX_ENTRIES = 2000
+ADAPTER_MAX_BYTES = 16 << 30
+_caller = threading.local()
+
+
+def set_caller(uid: int | None) -> None:
+    """The uid of the client whose request this thread serves (the daemon sets it)."""
+    _caller.uid = uid
+
+
+def _check_adapter_folder(path: str) -> None:
+    """Before hashing a folder named by a client: it must look like an adapter (few files,
+    bounded size: never a walk of /usr or /), and a client of another uid must be able to
+    read it itself (the daemon does not read files for it that it could not)."""
+    uid = getattr(_caller, "uid", None)
+    foreign = uid is not None and uid != os.geteuid()
+    entries = size = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        entries += len(dirnames) + len(filenames)
+        if entries > ADAPTER_MAX_ENTRIES:
+            raise UsageError(f"--adapter {path}: more than {ADAPTER_MAX_ENTRIES} files and folders; "
+                             "that is not an adapter folder")
+        for name in filenames:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            size += st.st_size
+            if foreign and st.st_uid != uid and not st.st_mode & 0o004:
+                raise UsageError(f"--adapter {path}: uid {uid} may not read {os.path.join(dirpath, name)}")
+        if size > ADAPTER_MAX_BYTES:
+            raise UsageError(f"--adapter {path}: over {ADAPTER_MAX_BYTES >> 30} GiB; that is not an adapter folder")
+
+
+def _resolve_adapter(spec: str, recorded: list[Recorded]) -> AdapterIdentity:
+    if _is_path(spec):
+        path = os.path.abspath(os.path.expanduser(spec))
+        if not os.path.isdir(path):
+            raise UsageError(f"--adapter {spec}: no such folder (give NAME, NAME@DIGEST or the adapter's folder)")
+        _check_adapter_folder(path)
+        digest = adapter_digest(path)
+        for r in recorded:
+            if r.ns.adapter is not None and r.ns.adapter.digest == digest:
+                return r.ns.adapter
+        return AdapterIdentity(os.path.basename(path.rstrip(os.sep)), digest)
+    if "@" in spec:
+        try:
+            ident = AdapterIdentity.parse(spec)
+        except StoreError as exc:
+            raise UsageError(str(exc)) from None
+        if not any(r.ns.adapter == ident for r in recorded):
+            known = sorted({str(r.ns.adapter) for r in recorded if r.ns.adapter is not None})
+            raise UsageError(f"no adapter {spec} has been served from this store (adapters: "
+                             f"{', '.join(known) or 'none'}); for one never served, give its folder")
+        return ident
+    best: tuple[float, AdapterIdentity] | None = None
+    for r in recorded:
+        if r.ns.adapter is not None and r.ns.adapter.name == spec:
+            if best is None or r.updated > best[0]:
+                best = (r.updated, r.ns.adapter)
+    if best is None:
+        known = sorted({r.ns.adapter.name for r in recorded if r.ns.adapter is not None})
+        raise UsageError(f"no adapter named {spec!r} has been served from this store "
+                         f"(adapters: {', '.join(known) or 'none'}); give NAME@DIGEST or the adapter's folder")
+    return best[1]
+
+
+def _model_matches(r: Recorded, model: str | None) -> bool:
+    return model is None or r.ns.model == model or r.doc.get("info", {}).get("model_id") == model
+
+
+def _known_models(recorded: list[Recorded]) -> str:
+    return ", ".join(sorted({r.ns.model for r in recorded})) or "none yet"
+
+
+def _check_model(recorded: list[Recorded], model: str | None) -> None:
+    if model is not None and not any(_model_matches(r, model) for r in recorded):
+        raise UsageError(f"no model {model!r} in this store (models: {_known_models(recorded)}); "
+                         "an engine with the lmctl connector records its model when it starts")
+
+
+def check_conflicts(args: dict[str, Any]) -> None:
+    if args.get("base") and args.get("adapter") is not None:
+        raise UsageError("--base and --adapter contradict each other: give one")
+    if args.get("doc") is not None and args.get("keys"):
+        raise UsageError("--key and a document (--text, --file, --tokens, --messages) contradict each other: "
+                         "give one")
+
+
+def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace], dict[str, Any]]:
+    """Namespaces a document's keys are computed in: one per KV format (tensor-parallel
+    rank) and model fingerprint recorded for the model, with the requested adapter and salt;
+    the newest fingerprint first."""
+    recorded = recorded_namespaces(store)
+    model = arg(args, "model", str)
+    if model is None:
+        models = sorted({r.ns.model for r in recorded})
+        if len(models) != 1:
+            raise UsageError("give --model: this store holds " + (
+                f"{len(models)} models ({', '.join(models)})" if models else "no model yet"))
+        model = models[0]
+    _check_model(recorded, model)
+    mine = [r for r in recorded if _model_matches(r, model)]
+    adapter_spec = arg(args, "adapter", str)
+    adapter = None if adapter_spec is None else _resolve_adapter(adapter_spec, mine)
+    salt = arg(args, "salt", str)
+    formats: dict[str, Namespace] = {}
+    info: dict[str, Any] = {}
+    # a retired fingerprint (an old checkpoint nobody serves any more) gets no new keys
+    retired = store.retired_namespaces()
+    live = [r for r in mine if r.nid not in retired] or mine
+    for r in sorted(live, key=lambda x: -x.updated):
+        cand = Namespace(r.ns.model, r.ns.kv_format, adapter, salt or None, r.ns.model_fingerprint)
+        k = json.dumps(cand.kv_format.__dict__, sort_keys=True) + str(r.ns.model_fingerprint)
+        if k not in formats:
+            formats[k] = cand
+            info = info or r.doc.get("info", {})
+    newest_fp = next(iter(formats.values())).model_fingerprint
+    nss = sorted(formats.values(), key=lambda n: (n.model_fingerprint != newest_fp, n.kv_format.tp_rank))
+    return nss, info
+
+
+FILTER_KEYS = ("model", "adapter", "base", "label", "tier", "older_than", "pinned")
+
+
+def filters_of(args: dict[str, Any]) -> set[str]:
+    """The chunk filters a request sets (explicit keys and documents aside). ``pinned``
+    false (``--unpinned``) is a filter too."""
+    return {k for k in FILTER_KEYS
+            if (args.get(k) is not None if k in ("pinned", "older_than") else args.get(k) not in (None, False))}
+
+
+def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selection:
+    """Resolve the shared selectors (SPEC section 6) to chunk keys."""
+    check_conflicts(args)
+    doc = arg(args, "doc", dict)
+    keys_hex = arg(args, "keys", list, [])
+    try:
+        explicit = [parse_key(str(k)) for k in keys_hex]
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    if doc is not None:
+        from .documents import check_document, tokenize
+
+        check_document(doc)
+        nss, info = _doc_namespaces(store, args)
+        source = arg(args, "tokenizer", str) or info.get("tokenizer")
+        if not source and "tokens" not in doc:
+            raise UsageError("no tokenizer recorded for this model; pass --tokenizer PATH or --tokens FILE")
+        tokens = tokenize(doc, source or "", info.get("tokenizer_revision"))
+        keys = []
+        for ns in nss:
+            keys.extend(ns.chunk_keys(tokens))
+        return Selection(explicit + keys, nss, tokens)
+    filters = filters_of(args)
+    if not filters and not explicit:
+        if need:
+            raise UsageError("select chunks with --key, --label, --model, --adapter, --base, --tier, "
+                             "--older-than, --pinned/--unpinned or a document (--text, --file, --tokens, --messages)")
+        filters = set()
+    if explicit and not filters:
+        return Selection(explicit, [])
+    return Selection([c.key for c in filter_chunks(store, args, explicit or None)], [])
+
+
+def labelled_keys(store: Store, label: str) -> list[bytes]:
+    """The keys pinned under ``label``; an unknown label is a usage error naming the known ones."""
+    labels = store.labels()
+    if label not in labels:
+        raise UsageError(f"no label {label!r} (labels: {', '.join(sorted(labels)) or 'none'})")
+    return labels[label]
+
+
+def configured_tier(store: Store, tier: str, what: str) -> str:
+    """``tier`` (the value of option ``what``) when this store has it configured."""
+    if tier not in ("dram", "nvme", "remote"):
+        raise UsageError(f"{what} must be dram, nvme or remote, not {tier!r}")
+    configured = store.config.tiers
+    if tier not in configured:
+        raise UsageError(f"tier {tier} is not configured in this store (configured: {', '.join(configured)}); "
+                         "add it with lmctl config set or the daemon's settings")
+    return tier
+
+
+def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
+    """The stored chunks (of ``only``, when given) that every filter of ``args`` lets through."""
+    recorded = recorded_namespaces(store)
+    model = arg(args, "model", str)
+    adapter_spec = arg(args, "adapter", str)
+    base = arg(args, "base", bool, False)
+    label = arg(args, "label", str)
+    tier = arg(args, "tier", str)
+    older = arg(args, "older_than", float)
+    pinned = args.get("pinned")
+    if pinned is not None and not isinstance(pinned, bool):
+        raise UsageError("argument 'pinned' must be true, false or absent")
+    if older is not None and older < 0:
+        raise UsageError("--older-than must not be negative")
+    if tier is not None:
+        configured_tier(store, tier, "--tier")
+    _check_model(recorded, model)
+    prefixes: list[bytes] | None = None
+    if model is not None or adapter_spec is not None or base:
+        adapter = _resolve_adapter(adapter_spec, recorded) if adapter_spec else None
+        prefixes = [r.nid for r in recorded if _model_matches(r, model)
+                    and (not base or r.ns.adapter is None)
+                    and (adapter is None or r.ns.adapter == adapter)]
+    label_keys = None if label is None else set(labelled_keys(store, label))
+    cutoff = time.time() - older if older is not None else None
+
+    def source() -> Iterable[ChunkInfo]:
+        if only is not None:
+            for k in only:
+                info = store.info(k)
+                if info is not None:
+                    yield info
+        elif label_keys is not None and prefixes is None:
+            for k in sorted(label_keys):
+                info = store.info(k)
+                if info is not None:
+                    yield info
+        elif prefixes is not None:
+            for p in prefixes:
+                yield from store.iter_chunks(p)
+        else:
+            yield from store.iter_chunks()
+
+    for c in source():
+        if label_keys is not None and c.key not in label_keys:
+            continue
+        if tier is not None and c.tier != tier:
+            continue
+        if cutoff is not None and c.last_access > cutoff:
+            continue
+        if pinned is True and c.pin_refs == 0:
+            continue
+        if pinned is False and c.pin_refs > 0:
+            continue
+        yield c
