@@ -27,8 +27,8 @@ The trailer comes last because it carries the payload's checksum, computed while
 payload streams out; it goes to disk in the same write as the payload's last piece,
 so a record is one sequential append. Payloads are page-aligned, so page-aligned
 buffers go to and from the disk with O_DIRECT and no copy; others pass through
-reused aligned staging buffers. Large transfers are split into pieces pipelined
-through one I/O thread, so hashing and copying overlap the disk.
+reused aligned staging buffers. Large transfers are split into pieces, several in
+flight at once on the tier's I/O threads, so hashing and copying overlap the disk.
 """
 
 from __future__ import annotations
@@ -474,7 +474,7 @@ class SegmentIO:
 
 
 class PendingWrite:
-    """Writes of one record in flight on the I/O thread, and the buffers they use."""
+    """Writes of one record in flight on the I/O threads, and the buffers they use."""
 
     def __init__(self, pool: AlignedPool, length: int) -> None:
         self.pool = pool

@@ -12,7 +12,8 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import StoreConfig
@@ -24,6 +25,26 @@ from .reads import Reads
 from .segment import encode_trailer, record_len
 from .space import Slot, Space, TierState
 from .types import PutItem, RewriteResult
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+@dataclass
+class _Prepared:
+    """One item of a batch, encoded and measured before any space is reserved."""
+
+    item: PutItem
+    layout: dict[str, Any]
+    codec: int
+    raw: memoryview
+    stored: Buffer
+    rec_len: int
+    created: float
+
+    @property
+    def stored_len(self) -> int:
+        return len(memoryview(self.stored))
 
 
 class Writes:
@@ -54,10 +75,10 @@ class Writes:
             cid = codec_id(it.codec or self._config().codec)
             raw = memoryview(it.data).cast("B")
             stored = codec.encode(cid, raw, itemsize, level)
-            prepared.append((it, layout, cid, raw, stored, record_len(len(memoryview(stored))), time.time()))
+            prepared.append(_Prepared(it, layout, cid, raw, stored, record_len(len(memoryview(stored))), time.time()))
 
         with self.lock:
-            needs = [(p[0].key, p[5]) for p in prepared]
+            needs = [(p.item.key, p.rec_len) for p in prepared]
             try:
                 self.evictor.make_room(st.name, sum(n for _k, n in needs))
                 plan = self.space.reserve(st, needs, replacing=set(replace or ()))
@@ -74,20 +95,20 @@ class Writes:
             def commit(t: Txn) -> None:
                 payload = 0
                 for i, p, seg, off, csum in done:
-                    it, layout, cid, raw, stored, rec_len, now = p
-                    created, last, hits = now, now, 0
-                    cur = t.entry_raw(it.key)
+                    key = p.item.key
+                    created, last, hits = p.created, p.created, 0
+                    cur = t.entry_raw(key)
                     if cur is not None:
-                        old = (replace or {}).get(it.key)
+                        old = (replace or {}).get(key)
                         e_cur = Entry.unpack(cur)
                         if old is None or (e_cur.seg, e_cur.off, e_cur.tier) != (old.seg, old.off, old.tier):
                             continue  # stored (or changed) meanwhile by another process; ours is dead space
-                        t.unindex_entry(it.key, e_cur)
+                        t.unindex_entry(key, e_cur)
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
-                    e = Entry(seg, off, rec_len, len(memoryview(stored)), len(raw), csum,
-                              it.tokens, hits, cid, st.tid, created, last, layout,
-                              0 if cid == 0 else (codec.level if level is None else level))
-                    t.index_entry(it.key, e)
+                    e = Entry(seg, off, p.rec_len, p.stored_len, len(p.raw), csum,
+                              p.item.tokens, hits, p.codec, st.tid, created, last, p.layout,
+                              0 if p.codec == 0 else (codec.level if level is None else level))
+                    t.index_entry(key, e)
                     results[i] = True
                     payload += e.stored_len
                 t.add("written_bytes", written)
@@ -101,8 +122,8 @@ class Writes:
                 raise
             return results
 
-    def _write_records(self, st: TierState, prepared: list[Any],
-                       plan: list[Slot | None]) -> tuple[list[tuple[int, Any, int, int, int]], int]:
+    def _write_records(self, st: TierState, prepared: list[_Prepared],
+                       plan: list[Slot | None]) -> tuple[list[tuple[int, _Prepared, int, int, int]], int]:
         """Write the records that got space, wait for all of them and sync; returns what was
         written (index, prepared item, segment, offset, checksum) and the bytes written.
         On any failure the batch's space is given back and the error raised."""
@@ -115,11 +136,10 @@ class Writes:
                 if slot is None:
                     continue
                 seg, off, fd = slot
-                it, layout, cid, raw, stored, _rec_len, now = p
-                meta = {"layout": layout, "tokens": it.tokens}
-                # hashing this record overlaps the disk write of the previous one
-                pw = st.io.start_write(fd, off, stored, functools.partial(
-                    encode_trailer, it.key, cid, meta, len(memoryview(stored)), len(raw), created=now))
+                meta = {"layout": p.layout, "tokens": p.item.tokens}
+                # hashing this record overlaps the disk writes of the previous ones
+                pw = st.io.start_write(fd, off, p.stored, functools.partial(
+                    encode_trailer, p.item.key, p.codec, meta, p.stored_len, len(p.raw), created=p.created))
                 todo.append((i, p, seg, off, pw))
         except BaseException as exc:
             failure = exc

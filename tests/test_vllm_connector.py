@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, env_with_path, flip_byte
+from test_daemon import Daemon, cj  # noqa: E402
 
 import demo.engine  # noqa: F401  (sets vLLM's environment first; vLLM is required, never skipped)
 from demo.engine import Engine as BaseEngine  # noqa: E402
@@ -85,27 +86,15 @@ class Engine(BaseEngine):
         return self.connector().store
 
 
-class LmctlDaemon:
-    """`lmctl serve` on a store, and `lmctl --json ...` against it."""
+class LmctlDaemon(Daemon):
+    """The suite's daemon harness (tests/test_daemon.py), started, and called for JSON."""
 
     def __init__(self, store: Path, sock: Path) -> None:
-        self.sock = sock
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store),
-                                      "--socket", str(sock)], env=env_with_path(), stderr=subprocess.DEVNULL)
-        for _ in range(400):
-            if sock.exists():
-                break
-            time.sleep(0.05)
+        super().__init__(store, sock)
+        self.start()
 
-    def __call__(self, *args: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(self.sock), "--json", *args],
-                           capture_output=True, text=True, env=env_with_path(), timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(r.stdout)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+    def __call__(self, *args: str) -> Any:
+        return cj(self, *args)
 
 
 CASES = [("P", None), ("P", "A"), ("P", "B"), ("P", "A2"), ("Q", None), ("Q", "A"), ("Q", "B"),
