@@ -53,15 +53,19 @@ if TYPE_CHECKING:
 __all__ = ["LMCtlConnector", "LMCtlMetadata", "LoadOp", "SaveOp", "live_connectors"]
 
 log = logging.getLogger("lmctl.engine_hook")
+#: how long an idle step (nothing scheduled) waits for a load in flight to finish
+IDLE_WAIT_S = 0.02
 _LIVE: weakref.WeakSet[LMCtlConnector] = weakref.WeakSet()
 
 
 @dataclass
 class LMCtlMetadata(KVConnectorMetadata):
-    """One step's loads and saves, from the scheduler side to every worker."""
+    """One step's loads and saves, from the scheduler side to every worker. ``idle``: the
+    step computes nothing (every request waits, e.g. for its load)."""
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass
@@ -137,7 +141,7 @@ class LMCtlConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, saves = self._scheduler().plan(scheduler_output)
-        return LMCtlMetadata(loads, saves)
+        return LMCtlMetadata(loads, saves, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -163,7 +167,10 @@ class LMCtlConnector(KVConnectorBase_V1):
             self._worker().load(meta.loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self._worker().take_finished()
+        meta = self._metadata()
+        # a step that computes nothing would come straight back: wait for a load instead of
+        # spinning (a spinning engine loop holds the GIL the loader needs)
+        done = self._worker().take_finished(IDLE_WAIT_S if meta is not None and meta.idle else 0.0)
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,9 +147,15 @@ class LMCtlConnectorWorker:
             s = self._local.stream = torch.cuda.Stream(device=self._paged.device)
         return s
 
-    def take_finished(self) -> set[str]:
-        """Requests whose loads finished since the last call; their failed blocks go to
-        ``take_load_errors`` now, so vLLM sees them in the same step."""
+    def take_finished(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose loads finished since the last call (waiting up to ``wait_s`` for
+        one, when loads are in flight); their failed blocks go to ``take_load_errors`` now,
+        so vLLM sees them in the same step."""
+        if wait_s > 0:
+            with self._lock:
+                futs = list(self._inflight.values())
+            if futs:
+                wait(futs, timeout=wait_s, return_when=FIRST_COMPLETED)
         done: set[str] = set()
         with self._lock:
             for req_id, fut in list(self._inflight.items()):

@@ -229,7 +229,7 @@ def step(req_id: str, block_ids: list[int], computed: int, scheduled: int) -> An
     """A scheduler output with one new request."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=computed)],
-        num_scheduled_tokens={req_id: scheduled},
+        num_scheduled_tokens={req_id: scheduled}, total_num_scheduled_tokens=scheduled,
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                               num_computed_tokens=[]),
         finished_req_ids=set())
@@ -237,7 +237,7 @@ def step(req_id: str, block_ids: list[int], computed: int, scheduled: int) -> An
 
 def empty_step() -> Any:
     """A scheduler output that schedules nothing (every request waits)."""
-    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                                                  num_computed_tokens=[]),
                            finished_req_ids=set())
@@ -281,7 +281,7 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
         sched.update_state_after_alloc(request("r2"), blocks, 64)  # type: ignore[arg-type]
         meta = sched.build_connector_meta(empty_step())  # type: ignore[arg-type]
         assert isinstance(meta, LMCtlMetadata) and meta.saves == []
-        assert [(op.req_id, op.blocks) for op in meta.loads] == [("r2", [[5, 6], [7, 8]])]
+        assert [(op.req_id, op.blocks) for op in meta.loads] == [("r2", [[5, 6], [7, 8]])] and meta.idle
         work.bind_connector_metadata(meta)
         work.start_load_kv(None)  # type: ignore[arg-type]
         work.wait_for_save()
@@ -331,3 +331,30 @@ def test_on_a_cuda_engine_loads_use_pinned_buffers_and_a_side_stream(worker: LMC
     torch.cuda.synchronize()
     assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
     assert worker.take_load_errors() == set()
+
+
+def test_an_idle_step_waits_for_a_load_instead_of_spinning(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every request waits for its load, vLLM's loop comes straight back to
+    get_finished; spinning there held the GIL that the loader needs (loads ran about 30x
+    slower on an idle engine). An idle step now waits for a load to finish (up to a bound)."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    gate = threading.Event()
+    real = worker.store.get_into
+
+    def gated(*args: Any) -> Any:
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(worker.store, "get_into", gated)
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    t0 = time.monotonic()
+    assert worker.take_finished(0.05) == set()  # bounded: nothing finished within the wait
+    assert 0.04 <= time.monotonic() - t0 < 5
+    threading.Timer(0.1, gate.set).start()
+    t0 = time.monotonic()
+    assert worker.take_finished(10.0) == {"r2"}  # returns when the load finishes, not at the bound
+    assert time.monotonic() - t0 < 5
+    assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
