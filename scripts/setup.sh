@@ -8,6 +8,13 @@ if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     echo "setup: installing python3-venv" >&2
     apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
 fi
+# The remote tier's tests start their own redis-server (it is not run as a service), join
+# three into a cluster with redis-cli, and make a TLS certificate with openssl.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1 ||
+   ! command -v openssl >/dev/null 2>&1; then
+    echo "setup: installing redis-server and openssl" >&2
+    apt-get update -qq && apt-get install -y -qq redis-server openssl >/dev/null
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 
 stamp=.venv/.setup-stamp

@@ -1,0 +1,789 @@
+"""The remote tier's client: chunk payloads in Redis or Valkey, a single server or a Redis Cluster.
+
+Several engine instances on several machines share chunks through one server. This module is
+self-contained: it stores and fetches the *stored* bytes of a chunk (already encoded by the
+caller's codec) with their metadata, and verifies them; decoding, the index and the choice of
+tier stay with the caller. It needs redis-py (``pip install 'lmctl[remote]'``, which also brings
+hiredis, redis-py's faster reply parser).
+
+API::
+
+    tier = RemoteTier("redis://cache:6379/0", key_prefix="prod-a", password_file="/etc/lmctl/redis.pass")
+    tier.put(key, stored, RemoteMeta(raw_len=..., codec="raw", layout=..., tokens=256)) -> bool
+    tier.get_into(key, out) -> RemoteMeta | None     # out: a writable buffer, or meta -> buffer
+    tier.get(key) -> tuple[RemoteMeta, bytearray] | None
+    tier.contains_many(keys) -> list[bool]           # one pipelined round trip
+    tier.delete(keys) -> int                         # chunks removed
+    tier.stats() -> RemoteStats                      # counters, breaker state, bytes in/out
+    tier.close()
+    redacted(url) -> str                             # the URL with its password replaced by ***
+
+No call raises for anything the server does (down, slow, full, foreign data): a failed
+``put`` returns False, a failed read is a miss (None, or False in ``contains_many``), and
+every failure is counted in ``stats()`` and logged (rate-limited). Only programming errors
+raise (a key that is not bytes, a read-only output buffer, bad metadata); bad settings raise
+``StoreError`` from the constructor.
+
+URLs: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS; options such as
+``ssl_ca_certs`` go in the query or as keyword arguments), ``unix:///path/redis.sock?db=N``.
+``?cluster=1`` (or ``cluster=True``) talks to a Redis Cluster through ``redis.cluster.RedisCluster``.
+The password comes from the URL or from ``password_file`` (its first line), never both; it is
+never logged or shown (``repr``, messages and ``url`` use ``redacted(url)``).
+
+Layout (all keys of a chunk share the hash tag ``{<hex chunk key>}``, so in a cluster a chunk
+lives on one node and each of its operations is one node's round trip)::
+
+    <prefix>:{<hex key>}:h                  head record (below)
+    <prefix>:{<hex key>}:<generation>:<i>   piece i of the stored bytes, piece_bytes each (the last one shorter)
+
+The head packs (little-endian) magic ``LMRC``, version, codec id, codec level, stored length,
+raw length, xxh3-64 of the stored bytes, piece size, piece count, a random 8-byte generation
+id, token count, write time, then the chunk key, the layout JSON and an xxh3-64 of the head
+itself. A put reads the old head, writes the pieces and then the new head in one MULTI/EXEC
+transaction sent as one pipeline (one round trip): a chunk appears whole or not at all, and an
+OOM refusal of any piece aborts all of it, so a full server keeps no partial chunks. The pieces
+of the generation it replaced are then deleted.
+
+A read takes two round trips: the head, then all pieces of its generation in one pipeline.
+The head must be ours (magic, version, its own checksum, the same chunk key), every piece
+present and of the right length, and the bytes must match the head's length and checksum.
+Anything else is a miss, never wrong bytes, and is counted: ``foreign`` (not our format or
+version, or another key's head), ``evicted_discovered`` (the head is there but pieces are gone:
+the server's ``maxmemory`` policy evicted them, or someone deleted them), ``torn`` (a piece or
+the whole of the wrong length or checksum, a damaged head). A torn or evicted chunk is deleted
+from the server if its head is still the one that was read (WATCH), so that lookups stop
+finding it.
+
+Deadlines and the circuit breaker: lookups (``contains_many``) run on connections whose socket
+timeouts are ``lookup_timeout_s``; puts, reads and deletes on connections with
+``io_timeout_s``. redis-py's own retries are off, so each round trip is bounded by its timeout
+(a slow server cannot stretch one call past a few timeouts). ``breaker_failures`` consecutive
+failures (timeouts, connection errors, error replies other than OOM) open the breaker: calls
+then return a miss or False at once without touching the network (``short_circuited``). After
+``breaker_backoff_s`` one call goes through as a probe (half-open): success closes the breaker,
+failure opens it again for twice as long, up to ``breaker_backoff_max_s``. So when the server
+comes back, sharing resumes by itself. An OOM reply (``maxmemory`` with ``noeviction``) is
+counted as ``oom`` and pauses puts for ``oom_pause_s`` (they return False, counted as
+``short_circuited``); reads go on.
+
+Remote space is the server's: lmctl never assumes a chunk it wrote is still there, and a put
+with ``ttl_s`` lets the server expire chunks on its own. A writer killed between a put's commit
+and the deletion of the generation it replaced leaves that generation's pieces behind with no
+head; with an eviction policy or ``ttl_s`` the server reclaims them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, quote, urlsplit
+
+import redis
+import redis.exceptions as rx
+import xxhash
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .codec import CODEC_IDS, CODEC_NAMES
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger("lmctl.store")
+
+MiB = 1 << 20
+#: default piece size: Redis moves values of about 4 MB at full speed, larger ones slower
+PIECE_BYTES = 4 * MiB
+#: no stored payload is this large (as store/index.py's MAX_CHUNK_BYTES)
+MAX_STORED = 1 << 34
+#: Redis refuses bulk strings over proto-max-bulk-len (512 MB by default)
+MAX_PIECE_BYTES = 512 * MiB
+
+HEAD_MAGIC = b"LMRC"
+HEAD_VERSION = 1
+# magic, version, codec, level, stored_len, raw_len, checksum, piece_bytes, piece_count, generation,
+# tokens, written, key_len, layout_len; then key, layout JSON, xxh3-64 of everything before it
+_HEAD = struct.Struct("<4sHBhQQQII8sIdHI")
+_U64 = struct.Struct("<Q")
+GENERATION_BYTES = 8
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,100}")
+_SECRET_QUERY_KEYS = {"password", "pass", "passwd", "auth", "ssl_password", "token", "secret"}
+#: one warning per kind of failure per this many seconds (a dead server must not flood the log)
+WARN_EVERY_S = 10.0
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password (and any password-like query value) replaced by ``***``, for
+    every message and listing that names a remote server."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable remote URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _password = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if colon else f"{user}@{hostport}"
+    query = "&".join(
+        f"{k}=***" if k.lower() in _SECRET_QUERY_KEYS else (f"{k}={v}" if v or "=" in pair else k)
+        for pair in parts.query.split("&") if pair
+        for k, _, v in [pair.partition("=")]
+    )
+    return _join(parts.scheme, netloc, parts.path, query)
+
+
+def _join(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A URL from its parts (``urlunsplit`` would turn ``unix:///x`` into ``unix:/x``)."""
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
+
+
+# -- metadata and statistics -----------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteMeta:
+    """What a remote chunk carries besides its stored bytes.
+
+    For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/codec.py) and its
+    ``level``, ``layout`` and ``tokens``; ``checksum`` (xxh3-64 of the stored bytes, as the
+    store's index keeps it) is computed when None. The rest is filled in by the tier:
+    ``stored_len``, ``written`` (Unix time of the put), ``generation`` (hex), ``piece_bytes``.
+    """
+
+    raw_len: int
+    codec: str = "raw"
+    level: int = 0
+    layout: dict[str, Any] = field(default_factory=dict)
+    tokens: int = 0
+    checksum: int | None = None
+    stored_len: int | None = None
+    written: float | None = None
+    generation: str | None = None
+    piece_bytes: int | None = None
+
+
+@dataclass
+class RemoteStats:
+    """Counters of one ``RemoteTier`` (this process only), and its breaker's state.
+
+    ``calls`` went to the server; ``errors`` of them failed, whatever the reason (``timeouts``
+    and ``oom`` are the ones that failed for those reasons). ``short_circuited`` calls were
+    answered without the network (breaker open, or puts paused after an OOM). Of the reads,
+    ``hits`` returned verified bytes and ``misses`` did not (absent, ``foreign``, ``torn``,
+    ``evicted_discovered``, ``too_small``, an error or the breaker). ``bytes_out`` and
+    ``bytes_in`` count stored payload bytes put and read.
+    """
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    oom: int = 0
+    short_circuited: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    lookups: int = 0
+    deleted: int = 0
+    torn: int = 0
+    foreign: int = 0
+    evicted_discovered: int = 0
+    too_small: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    breaker: str = "closed"
+    breaker_opened: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- circuit breaker -----------------------------------------------------------------------
+class CircuitBreaker:
+    """closed -> open after ``failures`` consecutive failures -> half-open once ``backoff_s``
+    has passed (one probe call goes through) -> closed on its success, open again on its
+    failure with the backoff doubled (at most ``backoff_max_s``). Success resets everything.
+    Thread-safe."""
+
+    CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
+
+    def __init__(self, failures: int = 3, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if failures < 1 or backoff_s <= 0 or backoff_max_s < backoff_s:
+            raise StoreError("breaker: failures must be >= 1 and 0 < backoff_s <= backoff_max_s")
+        self.threshold = failures
+        self.backoff_initial = backoff_s
+        self.backoff_max = backoff_max_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state = self.CLOSED
+        self.failures = 0
+        self.backoff = backoff_s
+        self.opened = 0  # times it opened
+        self._reopen_at = 0.0
+        self._probe = False
+
+    def allow(self) -> bool:
+        """May a call go to the server now? In half-open state only one caller (the probe)
+        gets True until it reports ``success`` or ``failure``."""
+        with self._lock:
+            if self.state == self.CLOSED:
+                return True
+            if self.state == self.OPEN and self._clock() >= self._reopen_at:
+                self.state = self.HALF_OPEN
+                self._probe = False
+            if self.state == self.HALF_OPEN and not self._probe:
+                self._probe = True
+                return True
+            return False
+
+    def success(self) -> bool:
+        """Record a call that worked; True if this closed the breaker."""
+        with self._lock:
+            was = self.state
+            self.state, self.failures, self.backoff, self._probe = self.CLOSED, 0, self.backoff_initial, False
+            return was != self.CLOSED
+
+    def failure(self) -> bool:
+        """Record a failed call; True if this opened the breaker."""
+        with self._lock:
+            self.failures += 1
+            if self.state == self.HALF_OPEN:
+                self.backoff = min(self.backoff * 2, self.backoff_max)
+            elif self.state == self.OPEN or self.failures < self.threshold:
+                return False
+            self.state, self._probe = self.OPEN, False
+            self._reopen_at = self._clock() + self.backoff
+            self.opened += 1
+            return True
+
+    def release(self) -> None:
+        """A probe that ended without a verdict (a programming error): let another one try."""
+        with self._lock:
+            if self.state == self.HALF_OPEN:
+                self._probe = False
+
+
+# -- the head record -----------------------------------------------------------------------
+class _Foreign(Exception):
+    """The value at a head key is not a head of ours (another format, version or key)."""
+
+
+class _Torn(Exception):
+    """A head of ours that does not add up (damaged)."""
+
+
+@dataclass(frozen=True)
+class _Head:
+    meta: RemoteMeta
+    checksum: int
+    stored_len: int
+    piece_bytes: int
+    piece_count: int
+    generation: str
+
+
+def _pack_head(key: bytes, meta: RemoteMeta, stored_len: int, checksum: int, piece_bytes: int,
+               generation: bytes, written: float) -> bytes:
+    layout = json.dumps(meta.layout, separators=(",", ":"), sort_keys=True).encode()
+    count = -(-stored_len // piece_bytes)
+    body = _HEAD.pack(HEAD_MAGIC, HEAD_VERSION, CODEC_IDS[meta.codec], meta.level, stored_len, meta.raw_len,
+                      checksum, piece_bytes, count, generation, meta.tokens, written, len(key),
+                      len(layout)) + key + layout
+    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _unpack_head(raw: bytes, key: bytes) -> _Head:
+    """Parse a head; ``_Foreign`` if it is not ours, ``_Torn`` if it is damaged."""
+    if len(raw) < _HEAD.size + _U64.size or raw[:4] != HEAD_MAGIC:
+        raise _Foreign("not an lmctl remote head")
+    (_m, version, codec, level, stored_len, raw_len, checksum, piece_bytes, count, gen, tokens, written,
+     key_len, layout_len) = _HEAD.unpack_from(raw, 0)
+    if version != HEAD_VERSION:
+        raise _Foreign(f"head of format version {version}, this lmctl reads {HEAD_VERSION}")
+    end = _HEAD.size + key_len + layout_len
+    if end + _U64.size != len(raw) or _U64.unpack_from(raw, end)[0] != xxhash.xxh3_64_intdigest(raw[:end]):
+        raise _Torn("the head fails its own checksum")
+    if raw[_HEAD.size:_HEAD.size + key_len] != key:
+        raise _Foreign("the head names another chunk key")
+    if codec not in CODEC_NAMES or not 0 < piece_bytes <= MAX_PIECE_BYTES or stored_len >= MAX_STORED \
+            or count != -(-stored_len // piece_bytes) or not math.isfinite(written):
+        raise _Foreign("the head's codec, lengths or time make no sense")
+    try:
+        layout = json.loads(raw[_HEAD.size + key_len:end] or b"{}")
+    except ValueError:
+        raise _Foreign("the head's layout is not JSON") from None
+    if not isinstance(layout, dict):
+        raise _Foreign("the head's layout is not a JSON object")
+    generation = gen.hex()
+    meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[codec], level=level, layout=layout, tokens=tokens,
+                      checksum=checksum, stored_len=stored_len, written=written, generation=generation,
+                      piece_bytes=piece_bytes)
+    return _Head(meta, checksum, stored_len, piece_bytes, count, generation)
+
+
+# -- the client ----------------------------------------------------------------------------
+class RemoteTier:
+    """Chunks in Redis/Valkey (see the module docstring for the layout and the failure rules).
+
+    ``url``: ``redis://``, ``rediss://`` or ``unix://`` (``?cluster=1`` for a Redis Cluster).
+    ``key_prefix``: this deployment's namespace on the server (letters, digits and ``_.:/@+=-``;
+    two prefixes never see each other's chunks). ``piece_bytes``: the size of a piece.
+    ``lookup_timeout_s`` bounds each round trip of ``contains_many``; ``io_timeout_s`` those of
+    puts, reads and deletes. ``password_file``: a file whose first line is the password (instead
+    of one in the URL). ``cluster``: None takes it from the URL. ``ttl_s``: chunks expire on the
+    server after this long (None: never; the server's maxmemory policy decides). The breaker and
+    OOM settings are described in the module docstring. ``redis_options`` go to redis-py's
+    client (e.g. ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``username``).
+    """
+
+    def __init__(self, url: str, *, key_prefix: str, piece_bytes: int = PIECE_BYTES,
+                 lookup_timeout_s: float = 0.05, io_timeout_s: float = 2.0, password_file: str | os.PathLike[str] |
+                 None = None, cluster: bool | None = None, ttl_s: float | None = None, breaker_failures: int = 3,
+                 breaker_backoff_s: float = 1.0, breaker_backoff_max_s: float = 30.0, oom_pause_s: float = 1.0,
+                 **redis_options: Any) -> None:
+        self.url = redacted(url)
+        if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
+            raise StoreError(f"remote key prefix {key_prefix!r} is not allowed: use 1-100 letters, digits "
+                             "or _.:/@+=- (no braces: they would break the hash tag)")
+        if not 0 < piece_bytes <= MAX_PIECE_BYTES:
+            raise StoreError(f"remote piece_bytes must be between 1 and {MAX_PIECE_BYTES}, not {piece_bytes}")
+        if not (lookup_timeout_s > 0 and io_timeout_s > 0):
+            raise StoreError("remote timeouts must be positive")
+        if ttl_s is not None and ttl_s <= 0:
+            raise StoreError("remote ttl_s must be positive (or None for no expiry)")
+        if oom_pause_s < 0:
+            raise StoreError("remote oom_pause_s must not be negative")
+        reserved = {"socket_timeout", "socket_connect_timeout", "retry", "password", "url"} & set(redis_options)
+        if reserved:
+            raise StoreError(f"remote: {', '.join(sorted(reserved))} cannot be given as a redis option; "
+                             "use the timeouts, the URL or password_file")
+        self.key_prefix = key_prefix
+        self.piece_bytes = piece_bytes
+        self.lookup_timeout_s = lookup_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.ttl_s = ttl_s
+        self.oom_pause_s = oom_pause_s
+        self._target, self.cluster, password = self._parse_url(url, cluster, password_file)
+        self._options = dict(redis_options)
+        if password is not None:
+            self._options["password"] = password
+        self.breaker = CircuitBreaker(breaker_failures, breaker_backoff_s, breaker_backoff_max_s)
+        self._clients: dict[bool, Any] = {}  # fast (lookups) -> client
+        self._client_lock = threading.Lock()  # making a cluster client talks to the cluster
+        self._lock = threading.Lock()  # counters
+        self._stats = RemoteStats()
+        self._writes_paused_until = 0.0
+        self._last_warn: dict[str, float] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r}, key_prefix={self.key_prefix!r}, cluster={self.cluster})"
+
+    # -- settings ----------------------------------------------------------------------
+    def _parse_url(self, url: str, cluster: bool | None,
+                   password_file: str | os.PathLike[str] | None) -> tuple[str, bool, str | None]:
+        """The URL to give redis-py (lmctl's own query options removed), cluster or not, and
+        the password from the password file."""
+        if not isinstance(url, str):
+            raise StoreError("the remote URL must be a string")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError as exc:
+            raise StoreError(f"remote URL {self.url} cannot be parsed: {exc}") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise StoreError(f"remote URL {self.url} must start with redis://, rediss:// or unix://")
+        query, flag = [], None
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k == "cluster":
+                flag = v.lower() in ("1", "true", "yes", "on")
+            else:
+                query.append(f"{quote(k, safe='')}={quote(v, safe='/:')}")
+        cluster = flag if cluster is None else cluster
+        cluster = bool(cluster)
+        if cluster and parts.scheme == "unix":
+            raise StoreError(f"remote URL {self.url}: redis-py cannot reach a Redis Cluster over a Unix socket")
+        if cluster and parts.path.strip("/") not in ("", "0"):
+            raise StoreError(f"remote URL {self.url}: a Redis Cluster has only database 0")
+        password = None
+        if password_file is not None:
+            if parts.password:
+                raise StoreError(f"remote URL {self.url} has a password and a password file was given too: "
+                                 "give it once")
+            password = _read_password(Path(password_file))
+        return _join(parts.scheme, parts.netloc, parts.path, "&".join(query)), cluster, password
+
+    def _client(self, fast: bool) -> Any:
+        """The client for lookups (``fast``) or for I/O, made on first use (a cluster client
+        asks the cluster for its slots when it is made)."""
+        client = self._clients.get(fast)
+        if client is None:
+            with self._client_lock:
+                client = self._clients.get(fast)
+                if client is None:
+                    if self._closed:
+                        raise StoreError(f"remote tier {self.url} is closed")
+                    timeout = self.lookup_timeout_s if fast else self.io_timeout_s
+                    opts = dict(self._options, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                retry=Retry(NoBackoff(), 0))
+                    if self.cluster:
+                        from redis.cluster import RedisCluster
+
+                        client = RedisCluster(url=self._target, **opts)
+                    else:
+                        client = redis.Redis.from_url(self._target, **opts)
+                    self._clients[fast] = client
+        return client
+
+    def close(self) -> None:
+        """Close the connections. Calls made after this count as errors."""
+        with self._client_lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            try:
+                c.close()
+            except Exception as exc:  # closing a broken connection is not worth an error
+                log.debug("closing a remote client of %s: %s", self.url, exc)
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- keys --------------------------------------------------------------------------
+    def _tag(self, key: bytes) -> str:
+        if not isinstance(key, bytes | bytearray) or not 0 < len(key) <= 1024:
+            raise TypeError(f"a chunk key must be 1-1024 bytes, not {type(key).__name__} of length "
+                            f"{len(key) if isinstance(key, bytes | bytearray) else '?'}")
+        return f"{self.key_prefix}:{{{bytes(key).hex()}}}"
+
+    def head_key(self, key: bytes) -> str:
+        """The Redis key of a chunk's head record (for operators and tests)."""
+        return self._tag(key) + ":h"
+
+    def piece_keys(self, key: bytes, generation: str, count: int) -> list[str]:
+        """The Redis keys of a chunk's pieces of one generation."""
+        tag = self._tag(key)
+        return [f"{tag}:{generation}:{i}" for i in range(count)]
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_warn.get(kind, -math.inf) < WARN_EVERY_S:
+                return
+            self._last_warn[kind] = now
+        log.warning("remote tier %s: " + msg, self.url, *args)
+
+    def stats(self) -> RemoteStats:
+        """A snapshot of the counters and the breaker's state."""
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+        s.breaker, s.breaker_opened = self.breaker.state, self.breaker.opened
+        return s
+
+    def _call(self, op: str, fast: bool, fn: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """Run ``fn(client)`` under the breaker: (True, its result), or (False, None) when the
+        breaker is open or the call failed (counted and logged, never raised)."""
+        if not self.breaker.allow():
+            self._count(short_circuited=1)
+            return False, None
+        self._count(calls=1)
+        verdict = False
+        try:
+            result = fn(self._client(fast))
+            verdict = True
+            if self.breaker.success():
+                log.warning("remote tier %s: the server answers again; circuit breaker closed", self.url)
+            return True, result
+        except rx.OutOfMemoryError as exc:
+            verdict = True
+            self.breaker.success()  # it answered: the server is up, only full
+            self._count(errors=1, oom=1)
+            self._writes_paused_until = time.monotonic() + self.oom_pause_s
+            self._warn("oom", "%s refused: the server is out of memory (maxmemory with noeviction); chunks are "
+                       "not being stored: %s", op, exc)
+        except (rx.RedisError, rx.RedisClusterException, OSError, StoreError) as exc:
+            verdict = True
+            timeout = isinstance(exc, rx.TimeoutError | TimeoutError)
+            self._count(errors=1, timeouts=int(timeout))
+            kind = "timed out" if timeout else "failed"
+            self._warn(f"{op} {kind}", "%s %s: %s", op, kind, exc or type(exc).__name__)
+            if self.breaker.failure():
+                log.warning("remote tier %s: circuit breaker open after %d failure(s); remote calls are misses "
+                            "for %.1f s, then one call probes the server", self.url, self.breaker.failures,
+                            self.breaker.backoff)
+        finally:
+            if not verdict:
+                self.breaker.release()
+        return False, None
+
+    # -- writes ------------------------------------------------------------------------
+    def put(self, key: bytes, stored: Buffer, meta: RemoteMeta) -> bool:
+        """Store a chunk's stored bytes and metadata (replacing any chunk of that key).
+        True when the server committed it; False (counted) when it did not: breaker open,
+        OOM, timeout or any other failure."""
+        head_key = self.head_key(key)
+        data = memoryview(stored).cast("B")
+        n = len(data)
+        if meta.codec not in CODEC_IDS:
+            raise StoreError(f"unknown codec {meta.codec!r}; choose one of {', '.join(CODEC_IDS)}")
+        if n >= MAX_STORED or -(-n // self.piece_bytes) >= 1 << 32 or not 0 <= meta.raw_len < MAX_STORED:
+            raise StoreError(f"a chunk of {n} stored / {meta.raw_len} raw bytes is too large for the remote tier")
+        if not (0 <= meta.tokens < 1 << 32 and -(1 << 15) <= meta.level < 1 << 15):
+            raise StoreError("remote chunk metadata out of range (tokens, level)")
+        if time.monotonic() < self._writes_paused_until:
+            self._count(short_circuited=1, put_failures=1)
+            return False
+        checksum = xxhash.xxh3_64_intdigest(data) if meta.checksum is None else meta.checksum
+        gen = os.urandom(GENERATION_BYTES)
+        head = _pack_head(bytes(key), meta, n, checksum, self.piece_bytes, gen, time.time())
+        pieces = self.piece_keys(key, gen.hex(), -(-n // self.piece_bytes))
+        px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+
+        def write(client: Any) -> Any:
+            pipe = client.pipeline(transaction=True)
+            pipe.get(head_key)  # the head this put replaces (an error reply if a foreign type is there)
+            for i, pk in enumerate(pieces):
+                pipe.set(pk, data[i * self.piece_bytes:(i + 1) * self.piece_bytes], px=px)
+            pipe.set(head_key, head, px=px)
+            res = pipe.execute(raise_on_error=False)
+            for r in res[1:]:
+                if isinstance(r, Exception):
+                    raise r
+            return res[0]
+
+        ok, old = self._call("put", False, write)
+        if not ok:
+            self._count(put_failures=1)
+            return False
+        self._count(puts=1, bytes_out=n)
+        if isinstance(old, bytes) and old != head:
+            self._forget_generation(key, old, gen.hex())
+        return True
+
+    def _forget_generation(self, key: bytes, old_head: bytes, new_gen: str) -> None:
+        """Delete the pieces of the generation a put replaced (best effort)."""
+        try:
+            old = _unpack_head(old_head, bytes(key))
+        except (_Foreign, _Torn):
+            return
+        if old.generation != new_gen and old.piece_count:
+            self._call("delete", False, lambda c: c.delete(*self.piece_keys(key, old.generation, old.piece_count)))
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove chunks (head and pieces); how many were there. Failures are counted (0)."""
+        keys = list(keys)
+        heads = [self.head_key(k) for k in keys]
+        if not keys:
+            return 0
+
+        def remove(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for h in heads:
+                pipe.getdel(h)  # the head we remove names the pieces we must remove, whatever a writer does next
+            found = pipe.execute(raise_on_error=False)
+            pipe = client.pipeline(transaction=False)
+            n = 0
+            for k, raw in zip(keys, found, strict=True):
+                if not isinstance(raw, bytes):
+                    continue
+                n += 1
+                try:
+                    old = _unpack_head(raw, bytes(k))
+                except (_Foreign, _Torn):
+                    continue
+                for pk in self.piece_keys(k, old.generation, old.piece_count):
+                    pipe.delete(pk)  # one key per DEL: a cluster pipeline refuses multi-key commands
+            if len(pipe):
+                pipe.execute(raise_on_error=False)
+            return n
+
+        ok, n = self._call("delete", False, remove)
+        n = n if ok else 0
+        self._count(deleted=n)
+        return int(n)
+
+    # -- reads -------------------------------------------------------------------------
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` have a head on the server, in one pipelined round trip bounded by
+        ``lookup_timeout_s``. A failure (or an open breaker) answers False for all. A head does
+        not promise its pieces: ``get_into`` finds out."""
+        heads = [self.head_key(k) for k in keys]
+        if not heads:
+            return []
+
+        def look(client: Any) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for h in heads:
+                pipe.exists(h)
+            return [r is True or (isinstance(r, int) and r > 0) for r in pipe.execute(raise_on_error=False)]
+
+        self._count(lookups=len(heads))
+        ok, found = self._call("lookup", True, look)
+        return list(found) if ok else [False] * len(heads)
+
+    def get(self, key: bytes) -> tuple[RemoteMeta, bytearray] | None:
+        """The chunk's metadata and stored bytes, verified; None for a miss."""
+        box: list[bytearray] = []
+
+        def alloc(meta: RemoteMeta) -> bytearray:
+            box.append(bytearray(meta.stored_len or 0))
+            return box[0]
+
+        meta = self.get_into(key, alloc)
+        return None if meta is None else (meta, box[0])
+
+    def get_into(self, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer]) -> RemoteMeta | None:
+        """Read a chunk's stored bytes into ``out[:meta.stored_len]`` and return its metadata,
+        verified against the head's length and checksum; None for a miss (counted: absent,
+        foreign, torn, evicted pieces, an error, the breaker open). ``out`` is a writable
+        buffer, or a function that is given the metadata once the head is read and returns
+        one (so the caller can size it); a buffer smaller than the chunk is a miss
+        (``too_small``). On a miss ``out`` may hold partial bytes."""
+        if not callable(out) and memoryview(out).readonly:
+            raise TypeError("get_into needs a writable buffer")
+        head_key = self.head_key(key)
+        bkey = bytes(key)
+        ok, raw = self._call("read", False, lambda c: _get_string(c, head_key))
+        if not ok or raw is None:
+            self._count(misses=1)
+            return None
+        try:
+            if isinstance(raw, Exception):
+                raise _Foreign(f"not a string value ({raw})")
+            head = _unpack_head(raw, bkey)
+        except _Foreign as exc:
+            self._count(misses=1, foreign=1)
+            self._warn("foreign", "chunk %s: the value at %s is foreign (%s); a miss", bkey.hex()[:16], head_key, exc)
+            return None
+        except _Torn as exc:
+            self._count(misses=1, torn=1)
+            self._warn("torn", "chunk %s is torn (%s); a miss, dropped", bkey.hex()[:16], exc)
+            self._drop_if_unchanged(key, raw, [])
+            return None
+        dst = memoryview(out(head.meta) if callable(out) else out).cast("B")
+        if dst.readonly:
+            raise TypeError("get_into needs a writable buffer")
+        if len(dst) < head.stored_len:
+            self._count(misses=1, too_small=1)
+            self._warn("too_small", "chunk %s holds %d stored bytes, the buffer only %d; a miss", bkey.hex()[:16],
+                       head.stored_len, len(dst))
+            return None
+        pieces = self.piece_keys(key, head.generation, head.piece_count)
+
+        def read(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for pk in pieces:
+                pipe.get(pk)
+            return list(pipe.execute(raise_on_error=False))
+
+        if pieces:
+            ok, got = self._call("read", False, read)
+            if not ok:
+                self._count(misses=1)
+                return None
+        else:
+            got = []
+        problem, missing = self._assemble(got, head, dst)
+        if problem is None:
+            self._count(hits=1, bytes_in=head.stored_len)
+            return head.meta
+        self._count(misses=1)
+        if self._drop_if_unchanged(key, raw, pieces) is not False:
+            # still the head we read (or we could not tell): its pieces really are gone or wrong,
+            # not replaced by a writer between our two round trips
+            self._count(**{"evicted_discovered" if missing else "torn": 1})
+            self._warn("evicted" if missing else "torn", "chunk %s: %s; a miss, dropped", bkey.hex()[:16], problem)
+        return None
+
+    def _assemble(self, got: list[Any], head: _Head, dst: memoryview) -> tuple[str | None, bool]:
+        """Copy the pieces into ``dst`` and verify them: (what is wrong or None, pieces missing)."""
+        hasher = xxhash.xxh3_64()
+        pos = 0
+        missing = sum(1 for p in got if p is None)
+        if missing:
+            return f"{missing} of {head.piece_count} pieces are gone", True
+        for i, piece in enumerate(got):
+            want = min(head.piece_bytes, head.stored_len - pos)
+            if not isinstance(piece, bytes):
+                return f"piece {i} is not a string ({piece!r})", False
+            if len(piece) != want:
+                return f"piece {i} has {len(piece)} bytes, not {want}", False
+            dst[pos:pos + want] = piece
+            hasher.update(piece)
+            pos += want
+        if pos != head.stored_len:
+            return f"the pieces hold {pos} bytes, the head says {head.stored_len}", False
+        if hasher.intdigest() != head.checksum:
+            return "checksum mismatch", False
+        return None, False
+
+    def _drop_if_unchanged(self, key: bytes, head_raw: bytes, pieces: list[str]) -> bool | None:
+        """Delete a broken chunk if its head is still ``head_raw`` (a writer may have replaced
+        it since): True if it was (and is now deleted), False if it was not, None if the
+        server could not be asked."""
+        head_key = self.head_key(key)
+
+        def drop(client: Any) -> bool:
+            with client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(head_key)
+                    if pipe.get(head_key) != head_raw:
+                        return False
+                    pipe.multi()
+                    pipe.delete(head_key, *pieces)
+                    pipe.execute()
+                    return True
+                except rx.WatchError:
+                    return False
+
+        ok, dropped = self._call("drop", False, drop)
+        return bool(dropped) if ok else None
+
+
+def _get_string(client: Any, name: str) -> bytes | rx.ResponseError | None:
+    """GET, with a value of another type (WRONGTYPE) returned as its error instead of raised:
+    that is foreign data, not a failing server."""
+    try:
+        return client.get(name)  # type: ignore[no-any-return]
+    except rx.ResponseError as exc:
+        if str(exc).startswith("WRONGTYPE"):
+            return exc
+        raise
+
+
+def _read_password(path: Path) -> str:
+    """The first line of a password file. A file others can read is used, with a warning."""
+    try:
+        st = path.stat()
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(f"cannot read the remote password file {path}: {exc}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("remote password file %s can be read by other users (mode %o); chmod 600 it", path,
+                    stat.S_IMODE(st.st_mode))
+    password = text.splitlines()[0] if text else ""
+    if not password:
+        raise StoreError(f"the remote password file {path} is empty")
+    return password
