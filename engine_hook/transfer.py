@@ -231,28 +231,23 @@ class PagedKV:
             raise StoreError("KV cache layer could not be viewed without a copy")
         return v
 
-    def _by_block(self, chunk_layer: torch.Tensor) -> torch.Tensor:
-        """A chunk's layer [2, tokens, H, D] seen as [blocks, 2, block_size, H, D] (a view)."""
-        two, tokens, h, d = chunk_layer.shape
-        return chunk_layer.view(two, tokens // self.block_size, self.block_size, h, d).transpose(0, 1)
-
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy one chunk's blocks (in token order) into ``out`` [layers, 2, tokens, H, D]:
-        one copy per layer (few calls into torch: the copies run beside other threads)."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        """Copy one chunk's blocks (in token order) into ``out`` [layers, 2, tokens, H, D]."""
+        bs = self.block_size
         for layer, v in enumerate(self.views):
-            self._by_block(out[layer]).copy_(v.index_select(0, idx))
+            dst = out[layer]
+            for j, b in enumerate(block_ids):
+                dst[:, j * bs : (j + 1) * bs].copy_(v[b])
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int | None]) -> None:
         """Copy a chunk [layers, 2, tokens, H, D] into the engine's blocks; ``None`` skips one
-        (a block the engine already holds). One copy per layer."""
+        (a block the engine already holds). Block by block: small copies that a loader thread
+        makes beside the engine's forward pass without taking every core from it."""
+        bs = self.block_size
         if src.device != self.device:
             src = src.to(self.device, non_blocking=True)
-        keep = [j for j, b in enumerate(block_ids) if b is not None]
-        if not keep:
-            return
-        idx = torch.tensor([block_ids[j] for j in keep], dtype=torch.long, device=self.device)
-        part = None if len(keep) == len(block_ids) else torch.tensor(keep, dtype=torch.long, device=src.device)
         for layer, v in enumerate(self.views):
-            blocks = self._by_block(src[layer])
-            v.index_copy_(0, idx, blocks if part is None else blocks.index_select(0, part))
+            s = src[layer]
+            for j, b in enumerate(block_ids):
+                if b is not None:
+                    v[b].copy_(s[:, j * bs : (j + 1) * bs])
