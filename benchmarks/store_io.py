@@ -14,8 +14,10 @@ this order (so A and B alternate over the rounds):
              chunk into a reused page-aligned buffer (verified), for each I/O depth given
              with --depths, raw and compressed (zstd-shuffle, level 1)
 
-Ratios compare medians: put / best raw write, get / best raw read, compressed get / raw
-get. The load average is recorded at the start and the end.
+Ratios are taken within each round (put / that round's best raw write, get / its best raw
+read, compressed get / raw get), so the disk's drift between rounds cancels; the report
+gives their median and range over rounds. The load average is recorded at the start and
+the end.
 """
 
 from __future__ import annotations
@@ -168,13 +170,28 @@ def bench_shape(base: Path, name: str, size: int, total: int, rounds: int, batch
     out_: dict[str, object] = {"chunk_bytes": size, "chunks_per_round": count, "best_raw_write_gbps": best_write,
                                "best_raw_read_gbps": best_read, "medians_gbps": med,
                                "spread": {k: [min(v), max(v)] for k, v in res.items()}}
+    def per_round(num: str, den: str | None) -> list[float]:
+        """The ratio within each round (so that the disk's drift between rounds cancels);
+        ``den`` None: that round's best raw pattern of the same direction."""
+        out = []
+        for r in range(rounds):
+            if den is None:
+                kind = "raw_write" if num.startswith("put") else "raw_read"
+                d = max(v[r] for k, v in res.items() if k.startswith(kind))
+            else:
+                d = res[den][r]
+            out.append(res[num][r] / d)
+        return out
+
     for depth in depths:
-        out_[f"d{depth}"] = {
-            "put_ratio": med[f"put_raw_d{depth}"] / best_write,
-            "get_ratio": med[f"get_raw_d{depth}"] / best_read,
-            "compressed_get_vs_raw_get": med[f"get_zstd-shuffle_d{depth}"] / med[f"get_raw_d{depth}"],
-            "compressed_put_vs_raw_put": med[f"put_zstd-shuffle_d{depth}"] / med[f"put_raw_d{depth}"],
+        ratios = {
+            "put_ratio": per_round(f"put_raw_d{depth}", None),
+            "get_ratio": per_round(f"get_raw_d{depth}", None),
+            "compressed_get_vs_raw_get": per_round(f"get_zstd-shuffle_d{depth}", f"get_raw_d{depth}"),
+            "compressed_put_vs_raw_put": per_round(f"put_zstd-shuffle_d{depth}", f"put_raw_d{depth}"),
         }
+        out_[f"d{depth}"] = {k: statistics.median(v) for k, v in ratios.items()}
+        out_[f"d{depth}_range"] = {k: [min(v), max(v)] for k, v in ratios.items()}
     return out_
 
 
@@ -232,7 +249,7 @@ def main() -> None:
 def report(result: dict[str, object], say: Callable[[str], None] = print) -> None:
     say(f"load average {result['loadavg_start'][0]:.2f} -> {result['loadavg_end'][0]:.2f}")  # type: ignore[index]
     say(f"{'shape':<14}{'depth':>6}{'put':>7}{'disk wr':>8}{'ratio':>7}{'get':>7}{'disk rd':>8}{'ratio':>7}"
-        f"{'zget':>7}{'zget/get':>9}{'zput':>7}")
+        f"{'zget':>7}{'zget/get':>9}{'zput':>7}   (GB/s medians; ratios: median of per-round ratios [range])")
     for name, s in result["shapes"].items():  # type: ignore[attr-defined]
         med = s["medians_gbps"]
         for d in result["depths"]:  # type: ignore[attr-defined]
@@ -240,7 +257,11 @@ def report(result: dict[str, object], say: Callable[[str], None] = print) -> Non
             say(f"{name:<14}{d:>6}{med[f'put_raw_d{d}']:>7.2f}{s['best_raw_write_gbps']:>8.2f}{r['put_ratio']:>7.2f}"
                 f"{med[f'get_raw_d{d}']:>7.2f}{s['best_raw_read_gbps']:>8.2f}{r['get_ratio']:>7.2f}"
                 f"{med[f'get_zstd-shuffle_d{d}']:>7.2f}{r['compressed_get_vs_raw_get']:>9.2f}"
-                f"{med[f'put_zstd-shuffle_d{d}']:>7.2f}")
+                f"{med[f'put_zstd-shuffle_d{d}']:>7.2f}   put [{s[f'd{d}_range']['put_ratio'][0]:.2f}-"
+                f"{s[f'd{d}_range']['put_ratio'][1]:.2f}] get [{s[f'd{d}_range']['get_ratio'][0]:.2f}-"
+                f"{s[f'd{d}_range']['get_ratio'][1]:.2f}] zget/get "
+                f"[{s[f'd{d}_range']['compressed_get_vs_raw_get'][0]:.2f}-"
+                f"{s[f'd{d}_range']['compressed_get_vs_raw_get'][1]:.2f}]")
         raws = ", ".join(f"{k[4:]} {v:.2f}" for k, v in med.items() if k.startswith("raw_"))
         say(f"  raw patterns (GB/s): {raws}; stored/raw with zstd-shuffle {med['stored_ratio_zstd-shuffle']:.3f}")
     steady = result.get("steady_ingest")

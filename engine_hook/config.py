@@ -13,7 +13,7 @@ from typing import Any
 
 from store import DEFAULT_CHUNK_SIZE, Store, StoreConfig, StoreError
 from store.codec import codec_id
-from store.config import parse_capacity
+from store.config import RemoteConfig, parse_capacity
 
 from .policy import POLICIES
 
@@ -44,6 +44,9 @@ class ConnectorSettings:
     on_load_error: str = "recompute"
     kv_layout: str | None = None
     load_policy: str = "auto"
+    remote_url: str | None = None
+    remote_key_prefix: str | None = None
+    remote_write: str | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -58,7 +61,8 @@ class ConnectorSettings:
                              f"string (got {path!r})")
         chunk = _whole(extra.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1, MAX_CHUNK_SIZE)
         queue = _whole(extra.get("save_queue", 16), "save_queue", 1, MAX_SAVE_QUEUE)
-        for key in ("model_id", "kv_layout", "codec", "on_load_error", "load_policy"):
+        for key in ("model_id", "kv_layout", "codec", "on_load_error", "load_policy", "remote_url",
+                    "remote_key_prefix", "remote_write"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise StoreError(f"{key} must be a string, not {extra[key]!r}")
         codec = extra.get("codec")
@@ -77,6 +81,11 @@ class ConnectorSettings:
         load_policy = str(extra.get("load_policy", "auto"))
         if load_policy not in POLICIES:
             raise StoreError(f"load_policy must be one of {', '.join(POLICIES)}, not {load_policy!r}")
+        if extra.get("remote_url") is not None:
+            RemoteConfig(str(extra["remote_url"]), key_prefix=str(extra.get("remote_key_prefix") or "lmctl"),
+                         write=str(extra.get("remote_write") or "always")).validate()
+        elif extra.get("remote_key_prefix") is not None or extra.get("remote_write") is not None:
+            raise StoreError("remote_key_prefix and remote_write need remote_url")
         layout = extra.get("kv_layout")
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
@@ -86,6 +95,8 @@ class ConnectorSettings:
             capacity=None if cap is None else parse_capacity(cap, "capacity"), save_queue=queue,
             model_id=extra.get("model_id") or None, model_fingerprint=fp,
             on_load_error=policy, kv_layout=layout, load_policy=load_policy,
+            remote_url=extra.get("remote_url") or None, remote_key_prefix=extra.get("remote_key_prefix") or None,
+            remote_write=extra.get("remote_write") or None,
         )
 
     def fingerprint_mode(self) -> str:
@@ -93,13 +104,24 @@ class ConnectorSettings:
         return self.model_fingerprint if self.model_fingerprint in ("auto", "off") else "explicit"
 
     def apply(self, store: Store) -> None:
-        """Apply ``codec`` and ``capacity`` (of the store's default tier) if they were given."""
-        if self.codec is None and self.capacity is None:
+        """Apply ``codec``, ``capacity`` (of the store's default tier) and the remote tier's
+        settings if they were given."""
+        if self.codec is None and self.capacity is None and self.remote_url is None:
             return
         cfg = StoreConfig.from_json(store.config.to_json())
         if self.codec is not None:
             cfg.codec = self.codec
         if self.capacity is not None:
             cfg.tiers[cfg.default_tier].capacity = self.capacity
+        if self.remote_url is not None:
+            old = cfg.remote
+            cfg.remote = RemoteConfig(self.remote_url)
+            if old is not None and old.url == self.remote_url:
+                cfg.remote = old
+            if self.remote_key_prefix is not None:
+                cfg.remote.key_prefix = self.remote_key_prefix
+            if self.remote_write is not None:
+                cfg.remote.write = self.remote_write
+            cfg.validate()
         if cfg.to_json() != store.config.to_json():
             store.configure(cfg)

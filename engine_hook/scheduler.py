@@ -12,6 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,9 @@ class LMCtlConnectorScheduler:
         self._reqs: dict[str, _Req] = {}
         self._recent_saves = RecentKeys()
         self._loads_ready: list[str] = []  # requests whose blocks are allocated for an async load
+        # the remote tier is asked off the scheduler's thread: vLLM asks again meanwhile
+        self._remote_asks: dict[str, Future[list[str | None]]] = {}
+        self._remote_pool: ThreadPoolExecutor | None = None
         self.policy = LoadPolicy(ctx.settings.load_policy)
         self._last_step: tuple[float, int, int] | None = None  # when, prefill tokens, longest context
         self.lookups = 0
@@ -107,16 +111,29 @@ class LMCtlConnectorScheduler:
         stepping. A failed lookup is a miss."""
         try:
             n = self._match(request, num_computed_tokens)
+            if n is None:
+                return None, False
             return n, n > 0
         except Exception as exc:  # a cache problem is a miss, never an engine error
             log.warning("lmctl: lookup for request %s failed, recomputing: %s", request.request_id, exc)
             self._reqs.pop(request.request_id, None)
             return 0, False
 
-    def _match(self, request: Request, num_computed_tokens: int) -> int:
+    def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         prompt = list(request.prompt_token_ids or [])
         ns = self._namespace(request, self.ctx.kv_format)
-        found = self.store.lookup(ns, prompt)
+        found = self.store.lookup(ns, prompt, remote=False)
+        if self.store.has_remote and found.hit_chunks < len(found.keys):
+            tiers = self._ask_remote(request.request_id, found.keys, found.tiers)
+            if tiers is None:
+                return None  # asked; vLLM asks again next step
+            found.tiers = tiers
+            hit = 0
+            for t in tiers:
+                if t is None:
+                    break
+                hit += 1
+            found.hit_tokens = hit * found.chunk_size
         bs = self.ctx.block_size
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
@@ -134,6 +151,24 @@ class LMCtlConnectorScheduler:
         st.load_start, st.load_end = num_computed_tokens, num_computed_tokens + d.load_tokens
         self.hit_tokens += d.load_tokens
         return d.load_tokens
+
+    def _ask_remote(self, req_id: str, keys: list[bytes], tiers: list[str | None]) -> list[str | None] | None:
+        """The tiers with the remote tier's answer for what the local tiers lack, or None
+        while it is being asked (in the background, within the tier's lookup deadline)."""
+        fut = self._remote_asks.get(req_id)
+        if fut is None:
+            if self._remote_pool is None:
+                self._remote_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmctl-remote-lookup")
+            self._remote_asks[req_id] = self._remote_pool.submit(self.store.locate, keys)
+            return None
+        if not fut.done():
+            return None
+        del self._remote_asks[req_id]
+        try:
+            return fut.result()
+        except Exception as exc:  # the remote tier never raises on purpose; a bug is a local-only answer
+            log.warning("lmctl: remote lookup for request %s failed: %s", req_id, exc)
+            return tiers
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
                                  num_external_tokens: int) -> None:
@@ -244,6 +279,7 @@ class LMCtlConnectorScheduler:
 
     def request_finished(self, request: Request) -> None:
         self._reqs.pop(request.request_id, None)
+        self._remote_asks.pop(request.request_id, None)
 
     def stats(self) -> dict[str, object]:
         return {"lookups": self.lookups, "hit_tokens": self.hit_tokens, "skipped_tokens": self.skipped_tokens,
@@ -253,4 +289,6 @@ class LMCtlConnectorScheduler:
         """Let go of the store (safe to call more than once)."""
         if not self._closed:
             self._closed = True
+            if self._remote_pool is not None:
+                self._remote_pool.shutdown(wait=True)
             release_shared(self.store)

@@ -200,6 +200,8 @@ def serve(
         help="a tier's pin budget, TIER=FRACTION or TIER=SIZE; repeatable")] = None,
     codec: Annotated[str | None, typer.Option(help="codec for new chunks: raw, zstd or zstd-shuffle")] = None,
     codec_level: Annotated[int | None, typer.Option(help="zstd level for new chunks, 1-19")] = None,
+    remote: Annotated[str | None, typer.Option(
+        metavar="URL", help="the shared remote tier: redis://HOST:PORT/DB, rediss://... or unix:///PATH")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="any store setting, KEY=VALUE (see lmctl config show); repeatable")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [default: info]")] = None,
@@ -215,7 +217,7 @@ def serve(
     def body() -> None:
         with _daemon_errors():
             daemon, changes = serve_settings(config, capacity=capacity, tier_path=tier_path, pin_budget=pin_budget,
-                                             codec=codec, codec_level=codec_level, settings=set_)
+                                             codec=codec, codec_level=codec_level, remote=remote, settings=set_)
             store_dir = store or daemon.get("store")
             if not store_dir:
                 raise CommandError("usage", "give --store DIR (or $LMCTL_STORE, or store in the config file's "

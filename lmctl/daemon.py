@@ -621,6 +621,6 @@ class Daemon:
                        "maintenance": st.maintenance},
             "store": {"path": st.store.path, "tiers": stats.to_dict()["tiers"], "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
-                      "codec": st.store.config.codec},
+                      "codec": st.store.config.codec, "remote": stats.remote},
             "jobs": jobs,
         }

@@ -252,10 +252,11 @@ def configured_tier(store: Store, tier: str, what: str) -> str:
     """``tier`` (the value of option ``what``) when this store has it configured."""
     if tier not in ("dram", "nvme", "remote"):
         raise UsageError(f"{what} must be dram, nvme or remote, not {tier!r}")
-    configured = store.config.tiers
+    configured = list(store.config.tiers) + (["remote"] if store.config.remote is not None else [])
     if tier not in configured:
         raise UsageError(f"tier {tier} is not configured in this store (configured: {', '.join(configured)}); "
-                         "add it with lmctl config set or the daemon's settings")
+                         "add it with lmctl config set or the daemon's settings"
+                         + (" (remote.url, or serve --remote URL)" if tier == "remote" else ""))
     return tier
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
-from store.config import TIER_ORDER, parse_capacity, parse_size, parse_unit_size
+from store.config import TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
 
 from .errors import UsageError
 from .units import parse_duration
@@ -24,6 +24,9 @@ from .units import parse_duration
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
               "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s")
 TIER_KEYS = ("capacity", "path", "pin_budget")
+#: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
+REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
+               "password_file")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group")
 
@@ -123,15 +126,48 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConf
                 t.path = str(value) or None
             else:
                 t.pin_budget = _pin_budget(value, name)
+        elif len(parts) == 2 and parts[0] == "remote" and parts[1] in REMOTE_KEYS:
+            _set_remote(cfg, parts[1], value, name)
         else:
-            raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)} and "
-                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)})")
+            raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)}, "
+                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)}) and "
+                             f"remote.{{{','.join(REMOTE_KEYS)}}}")
+    if cfg.remote is not None and not cfg.remote.url:
+        raise StoreError("the remote tier needs remote.url (redis://HOST:PORT/DB, rediss://... or unix:///PATH)")
     cfg.validate()
     return cfg
 
 
+def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
+    if field == "url" and str(value).strip().lower() in ("", "none"):
+        cfg.remote = None
+        return
+    if cfg.remote is None:
+        cfg.remote = RemoteConfig(url="")
+    r = cfg.remote
+    if field in ("url", "key_prefix", "write"):
+        setattr(r, field, str(value))
+    elif field == "password_file":
+        r.password_file = str(value) or None
+    elif field == "promote":
+        r.promote = _bool(value, name)
+    elif field == "piece_bytes":
+        r.piece_bytes = parse_unit_size(value, name)
+    else:
+        secs = _duration(value, name)
+        if secs <= 0:
+            raise StoreError(f"{name} must be positive")
+        setattr(r, field, secs)
+
+
 def settings_json(config: StoreConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    """The settings as shown to operators: the remote tier's URL without its password."""
+    doc = dataclasses.asdict(config)
+    if config.remote is not None:
+        from store.remote import redacted
+
+        doc["remote"]["url"] = redacted(config.remote.url)
+    return doc
 
 
 def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -161,10 +197,10 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise StoreError(f"cannot read config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise StoreError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = sorted(set(doc) - {"daemon", "store", "tiers"})
+    unknown = sorted(set(doc) - {"daemon", "store", "tiers", "remote"})
     if unknown:
         raise StoreError(f"config file {path}: unknown table(s) {', '.join(unknown)}; "
-                         "tables are [daemon], [store] and [tiers.NAME]")
+                         "tables are [daemon], [store], [tiers.NAME] and [remote]")
     daemon = dict(doc.get("daemon") or {})
     bad = sorted(set(daemon) - set(DAEMON_KEYS))
     if bad:
@@ -184,6 +220,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise StoreError(f"config file {path}: [daemon] allow_uid must be a list of uids (integers), not {uids!r}")
     changes = flatten(doc.get("store") or {})
     changes.update(flatten({"tiers": doc.get("tiers") or {}}))
+    changes.update(flatten({"remote": doc.get("remote") or {}}))
     return daemon, changes
 
 
@@ -204,6 +241,7 @@ def _pairs(values: list[str] | None, flag: str, default_key: str | None = None) 
 
 def serve_settings(config: str | None, *, capacity: list[str] | None = None, tier_path: list[str] | None = None,
                    pin_budget: list[str] | None = None, codec: str | None = None, codec_level: int | None = None,
+                   remote: str | None = None,
                    settings: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``lmctl serve``'s settings from ``--config FILE`` and its flags (flags win): ``(daemon,
     store)``, the store's as dotted names (``tiers.@default.capacity`` for the default tier's).
@@ -225,6 +263,8 @@ def serve_settings(config: str | None, *, capacity: list[str] | None = None, tie
         store["codec"] = codec
     if codec_level is not None:
         store["codec_level"] = codec_level
+    if remote is not None:
+        store["remote.url"] = remote
     for k, val in _pairs(settings, "--set"):
         store[k] = val
     return daemon, store

@@ -36,6 +36,38 @@ class TierConfig:
         return int(self.capacity * self.pin_budget) if self.pin_budget <= 1 else int(self.pin_budget)
 
 
+REMOTE_WRITES = ("always", "never")
+
+
+@dataclass
+class RemoteConfig:
+    """The shared remote tier (store/remote.py): a Redis/Valkey server or Redis Cluster.
+
+    ``write``: ``always`` puts every chunk this store stores to the remote tier too (on the
+    writer's thread, never the engine's), ``never`` only reads from it (and ``move --to
+    remote`` still puts). A chunk found only there is read, verified and, with ``promote``,
+    stored locally. Keys are namespaced by ``key_prefix`` (one per deployment)."""
+
+    url: str
+    key_prefix: str = "lmctl"
+    write: str = "always"
+    promote: bool = True
+    piece_bytes: int = 4 << 20
+    lookup_timeout_s: float = 0.05
+    io_timeout_s: float = 2.0
+    password_file: str | None = None
+
+    def validate(self) -> None:
+        if not any(self.url.startswith(s) for s in ("redis://", "rediss://", "unix://")):
+            raise StoreError("the remote tier's url must start with redis://, rediss:// or unix://")
+        if not self.key_prefix or any(c in self.key_prefix for c in "{}: \t\n"):
+            raise StoreError("the remote tier's key_prefix must be a non-empty name without {, }, : or spaces")
+        if self.write not in REMOTE_WRITES:
+            raise StoreError(f"the remote tier's write policy must be one of {', '.join(REMOTE_WRITES)}")
+        if self.piece_bytes < 64 << 10 or self.lookup_timeout_s <= 0 or self.io_timeout_s <= 0:
+            raise StoreError("the remote tier needs piece_bytes >= 64KiB and positive timeouts")
+
+
 @dataclass
 class StoreConfig:
     tiers: dict[str, TierConfig] = field(default_factory=lambda: {"nvme": TierConfig(capacity=64 * GiB)})
@@ -62,6 +94,8 @@ class StoreConfig:
     #: raw chunks nobody has read for this long are compressed (zstd-shuffle, level 1) by the
     #: daemon's maintenance, a batch per pass, off the engine's hot path; 0: never
     compress_cold_after_s: float = 0.0
+    #: the shared remote tier (None: this store has none)
+    remote: RemoteConfig | None = None
 
     def validate(self) -> None:
         if not self.tiers:
@@ -83,6 +117,8 @@ class StoreConfig:
             raise StoreError("retire_after_s must not be negative")
         if self.compress_cold_after_s < 0:
             raise StoreError("compress_cold_after_s must not be negative (0 turns it off)")
+        if self.remote is not None:
+            self.remote.validate()
         from .codec import codec_id
 
         codec_id(self.codec)
@@ -94,6 +130,8 @@ class StoreConfig:
     def from_json(cls, text: str | bytes) -> StoreConfig:
         doc = json.loads(text)
         doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
+        if isinstance(doc.get("remote"), dict):
+            doc["remote"] = RemoteConfig(**doc["remote"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in known})
 

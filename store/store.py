@@ -45,6 +45,7 @@ from .private import make_private_dir, tighten
 from .reads import Reads
 from .recovery import Recovery
 from .segment import SegmentIO
+from .sharing import Sharing
 from .space import Space, TierState
 from .types import (
     Chunk,
@@ -93,6 +94,22 @@ class Store:
         self._tiers: dict[str, TierState] = {}
         self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
         self._index = Index(os.path.join(self.path, "index"), readonly, self._remove_files)
+        try:
+            self._open(config)
+        except BaseException:
+            # nothing may stay open: the next open of this folder in this process must work
+            for st in self._tiers.values():
+                st.io.close()
+            if self._journal is not None:
+                self._journal.close()
+            sharing = getattr(self, "_sharing", None)
+            if sharing is not None:
+                sharing.close()
+            self._index.close()
+            raise
+
+    def _open(self, config: StoreConfig | None) -> None:
+        readonly = self.readonly
         # an index that is new while a journal exists: the index was lost; its settings,
         # salt key, namespaces and pins come back from the journal, its chunks from the segments
         restore = None
@@ -121,6 +138,8 @@ class Store:
         self._recovery = Recovery(self._index, self._space, self.path, self._lock)
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment, self._lock)
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
+        self._sharing: Sharing | None = None
+        self._share(self.config)
         if not readonly:
             fixed = tighten(self.path, [st.io.dir for st in self._tiers.values()])
             if fixed:
@@ -133,6 +152,31 @@ class Store:
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+
+    # -- the remote tier -------------------------------------------------------------------
+    @property
+    def has_remote(self) -> bool:
+        """Whether this store has a remote tier (lookups and reads may then ask a server)."""
+        return self._sharing is not None
+
+    def _share(self, config: StoreConfig) -> None:
+        """Open (or, when its settings changed, reopen) the remote tier of ``config``."""
+        old = self._sharing
+        if old is not None and config.remote == old.cfg:
+            return
+        if old is not None:
+            old.close()
+        self._sharing = None
+        self._writes.on_stored = None
+        if config.remote is None or self.readonly:
+            return
+
+        def promote(items: list[PutItem]) -> list[bool]:
+            return self._writes.put_many(items, share=False)
+
+        self._sharing = Sharing(config.remote, lambda: self.codec, promote)
+        if config.remote.write == "always":
+            self._writes.on_stored = self._sharing.push
 
     # -- settings ------------------------------------------------------------------------
     def _add_tier(self, name: str) -> None:
@@ -191,6 +235,7 @@ class Store:
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
                 self._evictor.make_room(name, 0)
+            self._share(config)
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
     def _index_is_new(self) -> bool:
@@ -287,7 +332,18 @@ class Store:
         Each chunk is read (and verified), written anew, and its index entry switched in
         one transaction; pins, hit counts and access times carry over. Chunks already in
         that tier with that codec and level are skipped. ``dry_run`` writes nothing and
-        estimates ``bytes_after`` by encoding up to 8 sampled chunks."""
+        estimates ``bytes_after`` by encoding up to 8 sampled chunks. ``tier="remote"`` puts
+        each chunk to the remote tier and drops it locally (pinned chunks are skipped)."""
+        if tier == "remote":
+            if self._sharing is None:
+                raise StoreError("this store has no remote tier; configure one (remote.url) first")
+
+            def read(key: bytes) -> tuple[Chunk, ChunkInfo] | None:
+                info = self.info(key)
+                chunk = self.get(key, touch=False) if info is not None else None
+                return None if chunk is None or info is None else (chunk, info)
+
+            return self._sharing.move_here(keys, read, lambda ks: self.evict(ks), self.pin_refs, progress, dry_run)
         return self._writes.rewrite(keys, tier, codec, level, progress, dry_run)
 
     # -- reading ---------------------------------------------------------------------------
@@ -299,29 +355,55 @@ class Store:
         """Whether ``key`` has an index entry (its bytes are not read)."""
         return self._reads.contains(key)
 
-    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The tier of each key, or None where it is not stored (one read transaction)."""
-        return self._reads.locate(keys)
+    def locate(self, keys: Sequence[bytes], remote: bool = True) -> list[str | None]:
+        """The tier of each key, or None where it is not stored (one read transaction; then,
+        with a remote tier and ``remote``, one pipelined round trip for what the local tiers lack)."""
+        tiers = self._reads.locate(keys)
+        if remote and self._sharing is not None:
+            tiers = self._sharing.locate(keys, tiers)
+        return tiers
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
-        """Longest stored prefix of ``tokens`` in namespace ``ns`` (one read transaction)."""
-        return self._reads.lookup(ns, tokens)
+    def lookup(self, ns: Namespace, tokens: Sequence[int], remote: bool = True) -> LookupResult:
+        """Longest stored prefix of ``tokens`` in namespace ``ns``: the local index, then (with
+        a remote tier) the remote tier for the chunks after the local prefix."""
+        found = self._reads.lookup(ns, tokens)
+        if remote and self._sharing is not None and found.hit_chunks < len(found.keys):
+            found.tiers = self._sharing.locate(found.keys, found.tiers)
+            hit = 0
+            for t in found.tiers:
+                if t is None:
+                    break
+                hit += 1
+            found.hit_tokens = hit * found.chunk_size
+        return found
 
     def get(self, key: bytes, touch: bool = True) -> Chunk | None:
         """Read and verify one chunk; None on a miss (absent, corrupt or foreign).
 
         ``touch=False`` is for the store's own work (move, compress, warm): the read counts
-        as neither a hit nor a miss and leaves the chunk's access time alone."""
-        return self._reads.get(key, touch)
+        as neither a hit nor a miss and leaves the chunk's access time alone. A chunk only the
+        remote tier holds is read from there (and promoted into the local default tier)."""
+        chunk = self._reads.get(key, touch)
+        if chunk is None and self._sharing is not None and touch:
+            got = self._sharing.fetch_into(key, None)
+            if got is not None:
+                info, data = got
+                return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
+        return chunk
 
     def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
         """Read one chunk into ``out`` (a writable buffer of at least its raw size).
 
         Returns its metadata, or None on a miss. On a miss ``out`` may hold garbage.
         A chunk whose bytes fail the checksum, or whose record names another key, is
-        removed from the index and counted as corrupt.
+        removed from the index and counted as corrupt. A chunk only the remote tier holds is
+        read from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
         """
-        return self._reads.get_into(key, out, touch)
+        info = self._reads.get_into(key, out, touch)
+        if info is None and self._sharing is not None and touch:
+            got = self._sharing.fetch_into(key, memoryview(out).cast("B"))
+            info = None if got is None else got[0]
+        return info
 
     def flush(self) -> None:
         """Write pending access times and hit/miss counts to the index (reads keep them in
@@ -387,7 +469,16 @@ class Store:
         number of pin references added (a label pins a key at most once). Raises
         ``PinBudgetError`` (changing nothing) if a budget would be exceeded.
         ``dry_run`` does all of it, budget check included, then rolls the transaction back.
+        A chunk that only the remote tier holds cannot be pinned (``StoreError``): the server
+        evicts what it likes unless it runs with ``maxmemory-policy noeviction``.
         """
+        if self._sharing is not None and journal:
+            tiers = self.locate(keys)
+            remote = sum(t == "remote" for t in tiers)
+            if remote:
+                raise StoreError(f"{remote} of these chunks are only in the remote tier ({self._sharing.url}), "
+                                 "which cannot promise not to evict them; warm or move them into a local tier "
+                                 "first, then pin")
         return self._pins.pin(label, keys, expected_bytes, dry_run, journal)
 
     def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
@@ -422,7 +513,7 @@ class Store:
                     segments=len(mine), capacity=st.cfg.capacity, pinned_bytes=t.counter(f"pinned:{name}"),
                     pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir)
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
-        return StoreStats(tiers, counters, wa)
+        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats())
 
     # -- recovery and checks -----------------------------------------------------------------
     def recover(self) -> list[Problem]:
@@ -473,6 +564,8 @@ class Store:
                 st.io.close()
             if self._journal is not None:
                 self._journal.close()
+            if self._sharing is not None:
+                self._sharing.close()
         self._index.close()
         self._closed = True
 

@@ -147,6 +147,8 @@ class StoreStats:
     tiers: dict[str, TierStats]
     counters: dict[str, int] = field(default_factory=dict)
     write_amplification: float = 0.0
+    #: the remote tier: its redacted url, settings and this process's counters (None: none)
+    remote: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

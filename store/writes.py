@@ -23,6 +23,7 @@ from .index import Entry, Index, Txn
 from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
 from .segment import encode_trailer, record_len
+from .sharing import Stored
 from .space import Slot, Space, TierState
 from .types import PutItem, RewriteResult
 
@@ -59,11 +60,14 @@ class Writes:
         self._config = config
         self._codec = codec
         self.lock = lock
+        #: told about the chunks a put_many stored (the remote tier's write-through)
+        self.on_stored: Callable[[list[Stored]], object] | None = None
 
     def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None,
-                 replace: dict[bytes, Entry] | None = None) -> list[bool]:
+                 replace: dict[bytes, Entry] | None = None, share: bool = True) -> list[bool]:
         """See ``Store.put_many``. ``replace``: keys whose current entry (as given) this
-        batch replaces, for ``rewrite``."""
+        batch replaces, for ``rewrite``; ``share``: tell ``on_stored`` (not for a rewrite or
+        a chunk that came from the remote tier)."""
         st = self.space.tier(tier or self._config().default_tier)
         codec = self._codec()
         prepared = []
@@ -120,7 +124,13 @@ class Writes:
             except StoreError:
                 self.space.release(st, plan)  # not indexed: give its space back (if the index can be written)
                 raise
-            return results
+        if share and replace is None and self.on_stored is not None:
+            shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
+                                     (codec.level if level is None else level), p.layout, p.item.tokens, csum)
+                                    for i, p, _seg, _off, csum in done if results[i]]
+            if shared:
+                self.on_stored(shared)
+        return results
 
     def _write_records(self, st: TierState, prepared: list[_Prepared],
                        plan: list[Slot | None]) -> tuple[list[tuple[int, _Prepared, int, int, int]], int]:

@@ -18,7 +18,7 @@ from conftest import SMALL_FMT, SMALL_LAYOUT, content
 
 import store.index as index_mod
 import store.reads as reads_mod
-from store import MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
+from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.segment import SegmentIO
 
 MakeStore = Callable[..., Store]
@@ -291,3 +291,12 @@ def test_maintenance_compresses_cold_raw_chunks_only(make_store: MakeStore, ns: 
     assert s.pin_refs(keys[0]) == 1
     assert s.maintain().chunks_compressed == 0  # nothing left that is cold and raw
     assert [p for p in s.check(deep=True) if not p.fixed] == []
+
+
+def test_a_failed_open_leaves_nothing_open(tmp_path: Path) -> None:
+    """Settings refused at open used to leave the LMDB environment open, so every later open
+    of that folder in the process failed with "already open"."""
+    with pytest.raises(StoreError, match="segment_bytes"):
+        Store(tmp_path / "s", StoreConfig(segment_bytes=1))
+    with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
+        assert s.stats().tiers["nvme"].chunks == 0

@@ -1,0 +1,147 @@
+"""Sharing: the remote tier as a store sees it.
+
+The local tiers come first; the remote tier (``store/remote.py``) is asked only about what
+they lack: lookups extend the local prefix with one pipelined round trip, a read that misses
+locally is read remotely (verified there and decoded here) and, with ``promote``, stored in
+the local default tier. With ``write = "always"`` every chunk stored locally is put remotely
+too, on the writer's thread. Nothing the server does raises: a slow, full or dead server
+costs misses and counted errors (see ``RemoteTier``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .codec import CODEC_NAMES, Codec, codec_id
+from .config import RemoteConfig
+from .errors import StoreError
+from .keys import DTYPE_SIZES
+from .types import ChunkInfo, PutItem, RewriteResult
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .remote import RemoteTier
+
+log = logging.getLogger("lmctl.store")
+
+#: what the write path hands over of a chunk it stored: key, stored bytes, raw length, codec
+#: id, codec level, layout, tokens, checksum of the stored bytes
+Stored = tuple[bytes, "Buffer", int, int, int, dict[str, Any], int, int]
+
+
+class Sharing:
+    """The remote tier of one store."""
+
+    def __init__(self, cfg: RemoteConfig, codec: Callable[[], Codec],
+                 put_local: Callable[[list[PutItem]], list[bool]]) -> None:
+        from .remote import RemoteTier, redacted
+
+        self.cfg = cfg
+        self.url = redacted(cfg.url)
+        self._codec = codec
+        self._put_local = put_local
+        self._lock = threading.Lock()
+        self.promoted = 0
+        self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, piece_bytes=cfg.piece_bytes,
+                                           lookup_timeout_s=cfg.lookup_timeout_s, io_timeout_s=cfg.io_timeout_s,
+                                           password_file=cfg.password_file)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def locate(self, keys: Sequence[bytes], tiers: list[str | None]) -> list[str | None]:
+        """``tiers`` (the local answer) with ``remote`` where only the remote tier holds a key."""
+        missing = [i for i, t in enumerate(tiers) if t is None]
+        if not missing:
+            return tiers
+        found = self.tier.contains_many([keys[i] for i in missing])
+        out = list(tiers)
+        for i, there in zip(missing, found, strict=True):
+            if there:
+                out[i] = "remote"
+        return out
+
+    # -- reads -----------------------------------------------------------------------------
+    def fetch_into(self, key: bytes, out: memoryview | None) -> tuple[ChunkInfo, Buffer] | None:
+        """Read ``key`` from the remote tier into ``out`` (None: a new buffer of its size),
+        verified and decoded; promote it. Returns its metadata and the buffer."""
+        got = self.tier.get(key)
+        if got is None:
+            return None
+        m, stored = got
+        if out is None:
+            out = memoryview(bytearray(m.raw_len))
+        if len(out) < m.raw_len:
+            raise StoreError(f"output buffer of {len(out)} bytes is smaller than the chunk ({m.raw_len})")
+        try:
+            itemsize = DTYPE_SIZES.get(m.layout.get("dtype", "uint8"), 1)
+            self._codec().decode_into(codec_id(m.codec), stored, out, m.raw_len, itemsize)
+        except StoreError as exc:  # verified bytes that do not decode: foreign, a miss
+            log.warning("remote chunk %s does not decode: %s", key[16:24].hex(), exc)
+            return None
+        if self.cfg.promote:
+            try:
+                if self._put_local([PutItem(key, out[: m.raw_len], m.layout, m.tokens, "raw")])[0]:
+                    with self._lock:
+                        self.promoted += 1
+            except StoreError as exc:  # a full local disk: the read still succeeded
+                log.warning("could not promote remote chunk %s: %s", key[16:24].hex(), exc)
+        return ChunkInfo(key, "remote", m.codec, m.stored_len or len(stored), m.raw_len, m.stored_len or 0,
+                         m.tokens, 0, m.written or 0.0, m.written or 0.0, 0, m.layout, -1, -1, m.level), out
+
+    # -- writes ----------------------------------------------------------------------------
+    def push(self, chunks: Sequence[Stored]) -> int:
+        """Put chunks just stored locally to the remote tier too; how many it took."""
+        from .remote import RemoteMeta
+
+        n = 0
+        for key, stored, raw_len, cid, level, layout, tokens, checksum in chunks:
+            meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[cid], level=level, layout=layout, tokens=tokens,
+                              checksum=checksum)
+            n += self.tier.put(key, stored, meta)
+        return n
+
+    def move_here(self, keys: Sequence[bytes], read: Callable[[bytes], Any], evict: Callable[[list[bytes]], Any],
+                  pinned: Callable[[bytes], int], progress: Callable[[int, int], None] | None,
+                  dry_run: bool) -> RewriteResult:
+        """``move --to remote``: put each chunk remotely, then drop it locally (a pinned chunk
+        is skipped: the server may evict what it holds)."""
+        from .remote import RemoteMeta
+
+        out = RewriteResult()
+        for n, key in enumerate(keys):
+            if progress is not None:
+                progress(n, len(keys))
+            if pinned(key):
+                out.skipped += 1
+                continue
+            got = read(key)
+            if got is None:
+                out.missing += 1
+                continue
+            chunk, info = got
+            if dry_run:
+                out.chunks += 1
+                out.bytes_before += info.stored_bytes
+                continue
+            data = memoryview(chunk.data).cast("B")
+            meta = RemoteMeta(raw_len=info.raw_bytes, codec="raw", layout=chunk.layout, tokens=chunk.tokens)
+            if self.tier.put(key, data, meta):
+                evict([key])
+                out.chunks += 1
+                out.bytes_before += info.stored_bytes
+                out.bytes_after += len(data)
+            else:
+                out.skipped += 1
+        if progress is not None:
+            progress(len(keys), len(keys))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"url": self.url, "key_prefix": self.cfg.key_prefix, "write": self.cfg.write,
+                "promoted": self.promoted, **self.tier.stats().to_dict()}
+
+    def close(self) -> None:
+        self.tier.close()

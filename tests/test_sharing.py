@@ -1,0 +1,157 @@
+"""Two engine hosts sharing chunks through a real Redis server (store/sharing.py)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_FMT, SMALL_LAYOUT, content
+from test_remote import Server, servers  # noqa: F401  (the fixture)
+
+from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
+from store.config import RemoteConfig
+
+N = SMALL_FMT.chunk_bytes
+NS = Namespace("shared-model", SMALL_FMT)
+TOKENS = list(range(16 * 6))
+
+
+@pytest.fixture
+def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:  # noqa: F811
+    """Stores on two "machines" (two folders), both on one Redis server."""
+    redis = servers()
+    opened: list[Store] = []
+
+    def host(name: str, write: str = "always", url: str | None = None, prefix: str = "test") -> Store:
+        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
+                          remote=RemoteConfig(url or redis.url, key_prefix=prefix, write=write))
+        s = Store(tmp_path / name, cfg)
+        opened.append(s)
+        return s
+
+    host.redis = redis  # type: ignore[attr-defined]
+    yield host
+    for s in opened:
+        s.close()
+
+
+def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Callable[..., Store]) -> None:
+    a, b = hosts("a"), hosts("b")
+    keys = NS.chunk_keys(TOKENS)
+    assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:4]]))
+    found = b.lookup(NS, TOKENS)
+    assert found.hit_chunks == 4 and found.tiers[:4] == ["remote"] * 4 and found.tiers[4:] == [None, None]
+    out = bytearray(N)
+    info = b.get_into(keys[0], out)
+    assert info is not None and info.tier == "remote" and bytes(out) == content(keys[0], N)
+    # promoted: the next read is local, and a lookup no longer needs the server
+    assert b.locate(keys[:1], remote=False) == ["nvme"]
+    c = b.get(keys[1])
+    assert c is not None and bytes(c.data) == content(keys[1], N) and c.tier == "remote"
+    stats = b.stats().remote
+    assert stats is not None and stats["promoted"] == 2 and stats["hits"] == 2 and "test" == stats["key_prefix"]
+
+
+def test_never_writes_only_reads_and_prefixes_isolate(hosts: Callable[..., Store]) -> None:
+    a = hosts("a", write="never")
+    keys = NS.chunk_keys(TOKENS)
+    assert a.put(keys[0], content(keys[0], N), SMALL_LAYOUT, 16)
+    assert hosts("b").locate(keys[:1]) == [None]  # a never shared it
+    w = hosts("c")
+    assert w.put(keys[1], content(keys[1], N), SMALL_LAYOUT, 16)
+    assert hosts("d", prefix="other").locate(keys[1:2]) == [None]  # another deployment
+    assert hosts("e").locate(keys[1:2]) == ["remote"]
+
+
+def test_move_to_remote_and_pins_of_remote_chunks(hosts: Callable[..., Store]) -> None:
+    a = hosts("a", write="never")
+    keys = NS.chunk_keys(TOKENS)
+    assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:3]]))
+    a.pin("doc", keys[:1])
+    dry = a.rewrite(keys[:3], tier="remote", dry_run=True)
+    assert (dry.chunks, dry.skipped) == (2, 1) and a.locate(keys[:3], remote=False) == ["nvme"] * 3
+    res = a.rewrite(keys[:3], tier="remote")
+    assert (res.chunks, res.skipped) == (2, 1)
+    assert a.locate(keys[:3], remote=False) == ["nvme", None, None]
+    assert a.locate(keys[:3]) == ["nvme", "remote", "remote"]
+    with pytest.raises(StoreError, match="only in the remote tier"):
+        a.pin("doc2", keys[1:2])
+    b = hosts("b")
+    c = b.get(keys[2])
+    assert c is not None and bytes(c.data) == content(keys[2], N)
+
+
+def test_a_dead_or_frozen_server_costs_misses_never_errors(hosts: Callable[..., Store]) -> None:
+    a, b = hosts("a"), hosts("b")
+    keys = NS.chunk_keys(TOKENS)
+    assert a.put(keys[0], content(keys[0], N), SMALL_LAYOUT, 16)
+    redis: Server = hosts.redis  # type: ignore[attr-defined]
+    redis.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert b.lookup(NS, TOKENS).hit_tokens == 0  # a miss, not an error or a stall
+            assert b.get(keys[0]) is None
+        assert time.monotonic() - t0 < 15
+        assert a.put(keys[1], content(keys[1], N), SMALL_LAYOUT, 16)  # local writes go on
+        assert a.locate(keys[1:2], remote=False) == ["nvme"]
+        assert b.stats().remote["breaker"] in ("open", "half-open")  # type: ignore[index]
+    finally:
+        redis.signal(signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while b.locate(keys[:1]) != ["remote"]:  # sharing resumes by itself
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_settings_of_the_remote_tier_are_checked(tmp_path: Path) -> None:
+    for bad, why in ((RemoteConfig("http://x"), "redis://"), (RemoteConfig("redis://x", key_prefix="a:b"), "prefix"),
+                     (RemoteConfig("redis://x", write="sometimes"), "write policy")):
+        with pytest.raises(StoreError, match=why):
+            Store(tmp_path / "s", StoreConfig(remote=bad))
+
+
+def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., Store], tmp_path: Path) -> None:
+    """A prompt the local store lacks: the scheduler side answers vLLM "ask again later"
+    (None) while the remote tier is asked in the background, then the remote hit."""
+    from types import SimpleNamespace
+
+    from engine_hook.config import ConnectorSettings
+    from engine_hook.context import ConnectorContext
+    from engine_hook.scheduler import LMCtlConnectorScheduler
+
+    a = hosts("a")
+    url = a.config.remote.url  # type: ignore[union-attr]
+    ns = Namespace("m", SMALL_FMT)
+    keys = ns.chunk_keys(TOKENS)
+    assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:4]]))
+    settings = ConnectorSettings.parse({"store_path": str(tmp_path / "b"), "chunk_size": 16, "model_fingerprint": "off",
+                                        "remote_url": url, "remote_key_prefix": "test"})
+    sched = LMCtlConnectorScheduler(ConnectorContext(settings, "m", SMALL_FMT, ["l0", "l1"], 16, None, None, {}))
+    try:
+        assert sched.store.has_remote and sched.store.config.remote.key_prefix == "test"  # type: ignore[union-attr]
+        req = SimpleNamespace(request_id="r1", prompt_token_ids=TOKENS, lora_request=None, cache_salt=None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while (got := sched.get_num_new_matched_tokens(req, 0)) == (None, False):  # type: ignore[arg-type]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert got == (64, True)  # 4 chunks of 16 tokens, from the remote tier
+    finally:
+        sched.close()
+
+
+def test_connector_remote_settings_are_checked() -> None:
+    from engine_hook.config import ConnectorSettings
+
+    with pytest.raises(StoreError, match="redis://"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "http://cache"})
+    with pytest.raises(StoreError, match="need remote_url"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_write": "never"})
+    with pytest.raises(StoreError, match="write policy"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_write": "evict"})
+    s = ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_key_prefix": "prod"})
+    assert (s.remote_url, s.remote_key_prefix, s.remote_write) == ("redis://c:1/0", "prod", None)
