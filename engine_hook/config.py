@@ -13,7 +13,7 @@ from typing import Any
 
 from store import DEFAULT_CHUNK_SIZE, Store, StoreConfig, StoreError
 from store.codec import codec_id
-from store.config import RemoteConfig, parse_capacity
+from store.config import RemoteConfig, TierConfig, parse_capacity
 
 from .policy import POLICIES
 
@@ -21,6 +21,14 @@ LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
 MAX_CHUNK_SIZE = 1 << 16
 #: each queued save holds one chunk-sized staging buffer, allocated up front
 MAX_SAVE_QUEUE = 1024
+
+
+def default_dram_path(store_path: str) -> str:
+    """Where a connector's ``dram_capacity`` puts the dram tier unless ``dram_path`` says:
+    tmpfs (``/dev/shm``), one folder per store."""
+    import hashlib
+
+    return os.path.join("/dev/shm", "lmctl-" + hashlib.sha256(store_path.encode()).hexdigest()[:12])
 
 
 def _whole(value: Any, name: str, lo: int, hi: int) -> int:
@@ -44,6 +52,8 @@ class ConnectorSettings:
     on_load_error: str = "recompute"
     kv_layout: str | None = None
     load_policy: str = "auto"
+    dram_capacity: int | None = None
+    dram_path: str | None = None
     remote_url: str | None = None
     remote_key_prefix: str | None = None
     remote_write: str | None = None
@@ -62,7 +72,7 @@ class ConnectorSettings:
         chunk = _whole(extra.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1, MAX_CHUNK_SIZE)
         queue = _whole(extra.get("save_queue", 16), "save_queue", 1, MAX_SAVE_QUEUE)
         for key in ("model_id", "kv_layout", "codec", "on_load_error", "load_policy", "remote_url",
-                    "remote_key_prefix", "remote_write"):
+                    "remote_key_prefix", "remote_write", "dram_path"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise StoreError(f"{key} must be a string, not {extra[key]!r}")
         codec = extra.get("codec")
@@ -97,6 +107,9 @@ class ConnectorSettings:
             on_load_error=policy, kv_layout=layout, load_policy=load_policy,
             remote_url=extra.get("remote_url") or None, remote_key_prefix=extra.get("remote_key_prefix") or None,
             remote_write=extra.get("remote_write") or None,
+            dram_capacity=None if extra.get("dram_capacity") is None else parse_capacity(extra["dram_capacity"],
+                                                                                         "dram_capacity"),
+            dram_path=extra.get("dram_path") or None,
         )
 
     def fingerprint_mode(self) -> str:
@@ -106,13 +119,22 @@ class ConnectorSettings:
     def apply(self, store: Store) -> None:
         """Apply ``codec``, ``capacity`` (of the store's default tier) and the remote tier's
         settings if they were given."""
-        if self.codec is None and self.capacity is None and self.remote_url is None:
+        if self.codec is None and self.capacity is None and self.remote_url is None and self.dram_capacity is None:
             return
         cfg = StoreConfig.from_json(store.config.to_json())
         if self.codec is not None:
             cfg.codec = self.codec
         if self.capacity is not None:
             cfg.tiers[cfg.default_tier].capacity = self.capacity
+        if self.dram_capacity is not None:
+            # saves go to dram; under pressure they are demoted to nvme, and nvme hits promoted
+            dram = cfg.tiers.get("dram")
+            path = self.dram_path or (dram.path if dram is not None else None) or default_dram_path(self.store_path)
+            if dram is None:
+                cfg.tiers["dram"] = TierConfig(capacity=self.dram_capacity, path=path)
+            else:
+                dram.capacity = self.dram_capacity
+            cfg.default_tier = "dram"
         if self.remote_url is not None:
             old = cfg.remote
             cfg.remote = RemoteConfig(self.remote_url)

@@ -36,7 +36,7 @@ class TierConfig:
         return int(self.capacity * self.pin_budget) if self.pin_budget <= 1 else int(self.pin_budget)
 
 
-REMOTE_WRITES = ("always", "never")
+REMOTE_WRITES = ("always", "evict", "never")
 
 
 @dataclass
@@ -44,8 +44,9 @@ class RemoteConfig:
     """The shared remote tier (store/remote.py): a Redis/Valkey server or Redis Cluster.
 
     ``write``: ``always`` puts every chunk this store stores to the remote tier too (on the
-    writer's thread, never the engine's), ``never`` only reads from it (and ``move --to
-    remote`` still puts). A chunk found only there is read, verified and, with ``promote``,
+    writer's thread, never the engine's), ``evict`` puts the chunks that eviction takes from
+    the last local tier, ``never`` only reads from it (``move --to remote`` still puts). A
+    chunk found only there is read, verified and, with ``promote``,
     stored locally. Keys are namespaced by ``key_prefix`` (one per deployment)."""
 
     url: str

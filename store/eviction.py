@@ -32,6 +32,9 @@ class Evictor:
         self.namespaces = namespaces
         self._config = config
         self.lock = lock
+        #: where a tier's victims go before they are dropped (dram -> nvme, nvme -> the remote
+        #: tier with write "evict"); None: they are dropped
+        self.spill: Callable[[str, list[tuple[bytes, Entry]]], object] | None = None
 
     def retired(self, t: Txn | None = None) -> set[bytes]:
         """The namespaces whose chunks go first (see ``Store.retired_namespaces``)."""
@@ -52,10 +55,9 @@ class Evictor:
             return 0
         to_free = used + incoming - int(cap * self._config().low_watermark)
 
-        def fn(t: Txn) -> int:
-            freed = 0
+        def pick(t: Txn) -> tuple[dict[bytes, Entry], int]:
+            freed = retired = 0
             victims: dict[bytes, Entry] = {}
-            retired = 0
             sources = ((True, self._retired_victims(t, st.tid)), (False, self._lru_victims(t, st.tid)))
             for from_retired, keys in sources:
                 for key in keys:
@@ -69,13 +71,33 @@ class Evictor:
                     victims[key] = e
                     freed += e.rec_len
                     retired += from_retired
-            for key, e in victims.items():
-                t.unindex_entry(key, e)
-            t.add("evicted_retired", retired)
-            t.add("evicted", len(victims))
-            return len(victims)
+            return victims, retired
 
-        n = self.index.write(fn)
+        def drop(t: Txn, victims: dict[bytes, Entry], retired: int) -> int:
+            n = 0
+            for key, e in victims.items():
+                cur = t.entry(key)  # still where it was picked (a spill moves it; then it stays)
+                if cur is not None and (cur.seg, cur.off, cur.tier) == (e.seg, e.off, e.tier) and not t.pinned(key):
+                    t.unindex_entry(key, cur)
+                    n += 1
+            t.add("evicted_retired", min(retired, n))
+            t.add("evicted", n)
+            return n
+
+        if self.spill is None:
+            def fn(t: Txn) -> int:
+                victims, retired = pick(t)
+                return drop(t, victims, retired)
+
+            n = self.index.write(fn)
+        else:
+            # victims go to the next tier down first (outside any transaction: it is I/O),
+            # then whatever is still where it was is dropped
+            with self.index.read() as t:
+                victims, retired = pick(t)
+            if victims:
+                self.spill(tier, sorted(victims.items(), key=lambda kv: (kv[1].seg, kv[1].off)))
+            n = self.index.write(lambda t: drop(t, victims, retired))
         used = self.space.used(tier)
         if used + incoming > cap:
             # dead space in partly live segments: reclaim it now (rare with LRU, since

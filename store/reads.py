@@ -218,6 +218,18 @@ class Reads:
         finally:
             st.io.pool.give(buf)
 
+    def stored_bytes(self, key: bytes, e: Entry) -> bytearray | None:
+        """The stored (encoded) bytes of ``key``'s record ``e``, verified; None if they fail."""
+        st = self.tiers.get(e.tier_name)
+        if st is None:
+            return None
+        buf = bytearray(e.stored_len)
+        try:
+            self._verified(st, key, e, memoryview(buf))
+        except (CorruptRecord, SegmentGone, StoreError, ValueError):
+            return None
+        return buf
+
     @staticmethod
     def _verified(st: TierState, key: bytes, e: Entry, into: memoryview) -> None:
         trailer = st.io.read_record(e.seg, e.off, e.stored_len, into)

@@ -103,6 +103,22 @@ class Sharing:
             n += self.tier.put(key, stored, meta)
         return n
 
+    def push_entries(self, victims: Sequence[tuple[bytes, Any]],
+                     stored_of: Callable[[bytes, Any], Buffer | None]) -> int:
+        """Put chunks that eviction is about to drop locally (``write = "evict"``): their
+        stored bytes as they are, verified on the way out. How many the server took."""
+        from .remote import RemoteMeta
+
+        n = 0
+        for key, e in victims:
+            data = stored_of(key, e)
+            if data is None:
+                continue
+            meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
+                              tokens=e.tokens, checksum=e.checksum)
+            n += self.tier.put(key, data, meta)
+        return n
+
     def move_here(self, keys: Sequence[bytes], read: Callable[[bytes], Any], evict: Callable[[list[bytes]], Any],
                   pinned: Callable[[bytes], int], progress: Callable[[int, int], None] | None,
                   dry_run: bool) -> RewriteResult:

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .codec import Codec, codec_id
@@ -35,7 +36,7 @@ from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig
 from .errors import StoreError
 from .eviction import Evictor
-from .index import FORMAT_VERSION, Index, Txn
+from .index import FORMAT_VERSION, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import Namespace, NamespaceRecord
@@ -69,6 +70,8 @@ log = logging.getLogger("lmctl.store")
 
 #: raw chunks compressed per maintenance pass by ``compress_cold_after_s``
 COLD_BATCH = 64
+#: hits waiting to be promoted into dram at most
+PROMOTE_QUEUE = 64
 
 
 class Store:
@@ -140,6 +143,10 @@ class Store:
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
         self._sharing: Sharing | None = None
         self._share(self.config)
+        self._set_spill()
+        self._promote_lock = threading.Lock()
+        self._promoting: set[bytes] = set()
+        self._promoter: ThreadPoolExecutor | None = None
         if not readonly:
             fixed = tighten(self.path, [st.io.dir for st in self._tiers.values()])
             if fixed:
@@ -177,6 +184,42 @@ class Store:
         self._sharing = Sharing(config.remote, lambda: self.codec, promote)
         if config.remote.write == "always":
             self._writes.on_stored = self._sharing.push
+
+    def _promote(self, key: bytes) -> None:
+        """Move a chunk that was just read from nvme into dram (the default tier), in the
+        background; at most ``PROMOTE_QUEUE`` waiting, more are skipped (a later hit retries)."""
+        with self._promote_lock:
+            if key in self._promoting or len(self._promoting) >= PROMOTE_QUEUE or self._closed:
+                return
+            self._promoting.add(key)
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-promote")
+
+        def move() -> None:
+            try:
+                self._writes.rewrite([key], tier="dram")
+            except StoreError as exc:
+                log.debug("could not promote chunk %s to dram: %s", key[16:24].hex(), exc)
+            finally:
+                with self._promote_lock:
+                    self._promoting.discard(key)
+
+        self._promoter.submit(move)
+
+    def _set_spill(self) -> None:
+        """Eviction spills to the next tier down where there is one: dram to nvme, and the last
+        local tier to the remote tier when its write policy is ``evict``."""
+        remote_evict = self._sharing is not None and self._sharing.cfg.write == "evict"
+        self._evictor.spill = self._spill if remote_evict or {"dram", "nvme"} <= set(self._tiers) else None
+
+    def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
+        if tier == "dram" and "nvme" in self._tiers:
+            moved = self._writes.rewrite([k for k, _e in victims], tier="nvme").chunks
+            if moved:
+                log.debug("demoted %d chunk(s) from dram to nvme", moved)
+            return
+        if self._sharing is not None and self._sharing.cfg.write == "evict":
+            self._sharing.push_entries(victims, self._reads.stored_bytes)
 
     # -- settings ------------------------------------------------------------------------
     def _add_tier(self, name: str) -> None:
@@ -236,6 +279,7 @@ class Store:
                 st.cfg = config.tiers[name]
                 self._evictor.make_room(name, 0)
             self._share(config)
+            self._set_spill()
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
     def _index_is_new(self) -> bool:
@@ -400,6 +444,8 @@ class Store:
         read from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
         """
         info = self._reads.get_into(key, out, touch)
+        if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
+            self._promote(key)
         if info is None and self._sharing is not None and touch:
             got = self._sharing.fetch_into(key, memoryview(out).cast("B"))
             info = None if got is None else got[0]
@@ -553,6 +599,11 @@ class Store:
         if self._closed:
             return
         if os.getpid() == self._index._pid:
+            with self._promote_lock:
+                promoter, self._promoter = self._promoter, None
+                self._closed = True  # no new promotions
+            if promoter is not None:
+                promoter.shutdown(wait=True)
             try:
                 self.flush()
             except StoreError:

@@ -300,3 +300,51 @@ def test_a_failed_open_leaves_nothing_open(tmp_path: Path) -> None:
         Store(tmp_path / "s", StoreConfig(segment_bytes=1))
     with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
         assert s.stats().tiers["nvme"].chunks == 0
+
+
+def test_a_full_dram_tier_demotes_to_nvme_instead_of_evicting(tmp_path: Path) -> None:
+    cfg = StoreConfig(tiers={"dram": TierConfig(capacity=16 * MiB, path=str(tmp_path / "shm")),
+                             "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram", segment_bytes=1 * MiB)
+    with Store(tmp_path / "s", cfg) as s:
+        big = 1 << 20
+        keys = [bytes([5]) * 16 + i.to_bytes(32, "big") for i in range(40)]
+        s.pin("doc", keys[:1])
+        for k in keys:  # 40 MiB through a 16 MiB dram tier
+            assert s.put(k, content(k, big), {"dtype": "uint8"})
+        tiers = s.locate(keys)
+        assert None not in tiers and "nvme" in tiers and tiers[-1] == "dram"
+        assert tiers[0] == "dram" and s.pin_refs(keys[0]) == 1  # a pinned chunk stays where it is
+        assert s.stats().counters["evicted"] == 0
+        assert all(bytes(c.data) == content(k, big) for k in keys if (c := s.get(k, touch=False)) is not None)
+        assert s.stats().tiers["dram"].disk_bytes <= 16 * MiB
+        assert [p for p in s.check(deep=True) if not p.fixed] == []
+
+
+def test_a_hit_in_nvme_is_promoted_to_dram_in_the_background(tmp_path: Path) -> None:
+    cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(tmp_path / "shm")),
+                             "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram")
+    with Store(tmp_path / "s", cfg) as s:
+        k = bytes([6]) * 16 + (1).to_bytes(32, "big")
+        assert s.put_many([PutItem(k, content(k, 1 << 20), {"dtype": "uint8"})], tier="nvme") == [True]
+        assert s.get(k, touch=False) is not None and s.locate([k]) == ["nvme"]  # the store's own reads do not
+        out = bytearray(1 << 20)
+        info = s.get_into(k, out)
+        assert info is not None and info.tier == "nvme" and bytes(out) == content(k, 1 << 20)
+        deadline = time.monotonic() + 10
+        while s.locate([k]) != ["dram"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert bytes(s.get(k).data) == content(k, 1 << 20)  # type: ignore[union-attr]
+
+
+def test_connector_dram_capacity_puts_saves_in_dram(tmp_path: Path) -> None:
+    from engine_hook.config import ConnectorSettings
+
+    st = ConnectorSettings.parse({"store_path": str(tmp_path / "s"), "dram_capacity": "64MiB",
+                                  "dram_path": str(tmp_path / "shm")})
+    with Store(tmp_path / "s") as s:
+        st.apply(s)
+        assert s.config.default_tier == "dram" and s.config.tiers["dram"].capacity == 64 * MiB
+        assert s.config.tiers["dram"].path == str(tmp_path / "shm") and "nvme" in s.config.tiers
+    with pytest.raises(StoreError, match="dram_capacity"):
+        ConnectorSettings.parse({"store_path": "/x", "dram_capacity": "1KiB"})

@@ -152,6 +152,29 @@ def test_connector_remote_settings_are_checked() -> None:
     with pytest.raises(StoreError, match="need remote_url"):
         ConnectorSettings.parse({"store_path": "/x", "remote_write": "never"})
     with pytest.raises(StoreError, match="write policy"):
-        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_write": "evict"})
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_write": "sometimes"})
     s = ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_key_prefix": "prod"})
     assert (s.remote_url, s.remote_key_prefix, s.remote_write) == ("redis://c:1/0", "prod", None)
+
+
+def test_write_evict_puts_what_eviction_takes_and_nothing_else(hosts: Callable[..., Store], tmp_path: Path) -> None:
+    redis: Server = hosts.redis  # type: ignore[attr-defined]
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=16 * MiB)}, segment_bytes=1 * MiB,
+                      remote=RemoteConfig(redis.url, key_prefix="test", write="evict"))
+    a = Store(tmp_path / "small", cfg)
+    try:
+        big = 1 << 20
+        keys = [bytes([7]) * 16 + i.to_bytes(32, "big") for i in range(40)]
+        for k in keys:  # 40 MiB through a 16 MiB tier
+            assert a.put(k, content(k, big), {"dtype": "uint8"})
+        local = a.locate(keys, remote=False)
+        gone = [k for k, t in zip(keys, local, strict=True) if t is None]
+        assert gone and local[-1] == "nvme"
+        b = hosts("b")
+        assert b.locate(gone) == ["remote"] * len(gone)  # every evicted chunk went to the server
+        kept = [k for k, t in zip(keys, local, strict=True) if t is not None]
+        assert b.locate(kept) == [None] * len(kept)  # and nothing else did
+        c = b.get(gone[0])
+        assert c is not None and bytes(c.data) == content(gone[0], big)
+    finally:
+        a.close()
