@@ -21,6 +21,7 @@ import typer
 from typer.core import TyperGroup
 
 from . import __version__, completion
+from .manifest import export, warm_manifest
 from .prefill import prefill
 from .selectors import contradicting_flags, with_selectors
 from .terminal import CommandError, ExitStatus, Terminal
@@ -301,8 +302,15 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
 
 @app.command()
 @with_selectors
-def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> None:
+def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False,
+        export_manifest: Annotated[str | None, typer.Option(
+            metavar="FILE", help="pin nothing: write the documents the selection's pins were made from "
+                                 "(typically --label L) to FILE ('-': stdout), for warm --manifest")] = None) -> None:
     """Pin chunks or a document under --label (durable; never evicted). Works before it is served."""
+    if export_manifest is not None:
+        term = Terminal.of(ctx)
+        term.run(lambda: export(term, sel, export_manifest, dry_run))
+        return
     _mutate(ctx, "pin", sel, dry_run, lambda r: (
         f"{'would pin' if r['dry_run'] else 'pinned'} {r['chunks']} chunk(s) under {r['label']!r} "
         f"({r['stored']} stored now, {r['added']} new pin reference(s))"))
@@ -409,27 +417,41 @@ def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
     term.console().print(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
 
 
-WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "dry_run", "to", "prefill")
+WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "fetched", "dry_run", "to",
+             "prefill")
 
 
 @app.command()
 @with_selectors
 def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None, typer.Option(
         help="also prefill the document through this OpenAI-compatible server (http://host:port)")] = None,
-         dry_run: DryRun = False) -> None:
-    """Before a restart or traffic shift: promote chunks to dram; --endpoint prefills missing ones."""
+         to: Annotated[str | None, typer.Option(
+             help="the local tier to bring chunks into: dram or nvme [default: dram; with --manifest, the "
+                  "default tier where there is no dram]")] = None,
+         manifest: Annotated[str | None, typer.Option(
+             metavar="FILE", help="warm every document of a manifest (pin --export-manifest writes one; "
+                                  "'-': stdin)")] = None,
+         pin_: Annotated[bool, typer.Option("--pin", help="with --manifest: also pin each entry under its label")]
+         = False, dry_run: DryRun = False) -> None:
+    """Before a restart or traffic shift: bring chunks (or a manifest's) into dram; --endpoint prefills the rest."""
     term = Terminal.of(ctx)
 
     def body() -> None:
+        if manifest is not None:
+            if not warm_manifest(term, manifest, sel, to, endpoint, pin_, dry_run):
+                raise typer.Exit(ExitStatus.ERROR)
+            return
+        if pin_:
+            raise CommandError("usage", "--pin goes with --manifest (to pin a document, use lmctl pin)")
         out: dict[str, Any] = {}
         if endpoint:
             out["prefill"] = prefill(term, sel, endpoint, dry_run)
-            if "dram" not in term.call("status")["store"]["tiers"]:
+            if to is None and "dram" not in term.call("status")["store"]["tiers"]:
                 # prefill only: the chunks stay where the engine wrote them
                 out.update({"chunks": 0, "bytes": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0,
-                            "missing": 0, "dry_run": dry_run, "to": None})
+                            "missing": 0, "fetched": 0, "dry_run": dry_run, "to": None})
         if "to" not in out:
-            out.update(term.call("warm", {**sel, "dry_run": dry_run}, long=True))
+            out.update(term.call("warm", {**sel, "dry_run": dry_run, **({"to": to} if to else {})}, long=True))
         term.emit({k: out[k] for k in sorted(out, key=WARM_KEYS.index)}, _show_warm)
 
     term.run(body)
@@ -444,7 +466,9 @@ def _show_warm(term: Terminal, r: dict[str, Any]) -> None:
         c.print("no dram tier in this store: the chunks stay where the engine wrote them")
     else:
         c.print(f"{'would promote' if r['dry_run'] else 'promoted'} {r['chunks']} chunk(s), "
-                f"{human(r['bytes'])} to dram")
+                f"{human(r['bytes'])} to {r['to']}"
+                + (f" ({r['fetched']} from the remote tier)" if r["fetched"] else "")
+                + (f"; {r['missing']} in no tier" if r["missing"] else ""))
 
 
 @app.command()

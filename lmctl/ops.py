@@ -8,12 +8,14 @@ means the operation failed (exit code 1).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from store import ChunkInfo, Namespace, Store, StoreError, parse_key
+from store import ChunkInfo, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
 from store.keys import short_key
 
+from . import pinned_documents
 from .errors import Cancelled, UsageError
 from .selection import (
     Recorded,
@@ -23,6 +25,7 @@ from .selection import (
     filter_chunks,
     filters_of,
     labelled_keys,
+    namespace_filter,
     recorded_namespaces,
     select,
 )
@@ -105,6 +108,13 @@ def op_pin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     expected = sel.namespaces[0].kv_format.chunk_bytes if sel.namespaces else 0
     # a dry run checks the pin budget as the real pin does, then changes nothing
     added = store.pin(label, keys, expected_bytes=expected, dry_run=dry_run)
+    if sel.namespaces and not dry_run:  # a document: kept for pin --export-manifest
+        ns = sel.namespaces[0]
+        doc = arg(args, "doc", dict)
+        if "tokens" not in doc and arg(args, "tokenizer", str):
+            doc = {"tokens": sel.token_ids}  # a tokenizer of this machine made them: the tokens travel
+        pinned_documents.remember(store.path, label, ns.model, None if ns.adapter is None else str(ns.adapter),
+                                  ns.cache_salt is not None, doc, keys)
     return {"label": label, "chunks": len(keys), "stored": stored, "added": added, "dry_run": dry_run}
 
 
@@ -121,6 +131,7 @@ def op_unpin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     if arg(args, "dry_run", bool, False):
         return {"label": label, "chunks": target, "removed": target, "dry_run": True}
     removed = store.unpin(label, keys)
+    pinned_documents.prune(store.path, label, store.labels().get(label, []))
     return {"label": label, "chunks": target, "removed": removed, "dry_run": False}
 
 
@@ -182,13 +193,137 @@ def op_compress(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
 
 def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
-    """Promote the selected chunks (a label, typically) to the dram tier."""
-    if "dram" not in store.config.tiers:
+    """Bring the selected chunks (a label, a document) into a local tier (``to``: dram by
+    default) from wherever they are: the other local tier (``Store.rewrite``) or the remote
+    tier, read through the store (verified, then stored locally). ``chunks`` counts both,
+    ``fetched`` those that came from the remote tier."""
+    to = arg(args, "to", str, "dram")
+    if to not in ("dram", "nvme"):
+        raise UsageError(f"--to must be dram or nvme, not {to!r} (move --to remote puts chunks in the remote tier)")
+    if to == "dram" and "dram" not in store.config.tiers:
         raise UsageError("tier dram is not configured in this store; nothing to promote "
                          "(pinned chunks stay on nvme and load from there)")
-    out = _rewrite(store, args, job, "warming", tier="dram")
-    out["to"] = "dram"
+    configured_tier(store, to, "--to")
+    dry_run = arg(args, "dry_run", bool, False)
+    keys = list(dict.fromkeys(select(store, args).keys))
+    where = store.locate(keys)  # one round trip to the remote tier, for what the local tiers lack
+    local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote")]
+    remote = [k for k, t in zip(keys, where, strict=True) if t == "remote"]
+    total = len(local) + len(remote)
+    res = store.rewrite(local, tier=to, progress=lambda d, t: job.progress(d, total, f"warming into {to}"),
+                        dry_run=dry_run)
+    got = _fetch(store, remote, to, dry_run, lambda d: job.progress(len(local) + d, total, "fetching from remote"))
+    return {"chunks": res.chunks + got.chunks, "bytes": res.bytes_before + got.bytes_before,
+            "bytes_before": res.bytes_before + got.bytes_before, "bytes_after": res.bytes_after + got.bytes_after,
+            "skipped": res.skipped + got.skipped, "missing": res.missing + where.count(None) + got.missing,
+            "dry_run": dry_run, "to": to, "fetched": got.chunks}
+
+
+def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Callable[[int], None]) -> RewriteResult:
+    """Bring chunks only the remote tier holds into the local tier ``to`` (``chunks``: those
+    brought, with their stored bytes here; ``skipped``: read but left in another local tier,
+    as ``Store.rewrite`` counts a chunk it could not place; ``missing``: gone from the server
+    since they were located). A dry run reads nothing and counts every one as brought. A
+    store read fetches and verifies a chunk and (with ``remote.promote``) stores it in the
+    default tier, from where it is moved; without promotion it is stored here."""
+    out = RewriteResult()
+    if dry_run:
+        out.chunks = len(keys)
+        return out
+    elsewhere: list[bytes] = []
+    for n, key in enumerate(keys):
+        progress(n)
+        chunk = store.get(key)
+        if chunk is not None and store.info(key) is None:
+            store.put_many([PutItem(key, chunk.data, chunk.layout, chunk.tokens)], tier=to)
+        info = store.info(key)
+        if info is None:  # gone from the server, or no room here: a miss
+            out.missing += 1
+        elif info.tier != to:
+            elsewhere.append(key)
+        else:
+            out.chunks += 1
+            out.bytes_before += info.stored_bytes
+            out.bytes_after += info.stored_bytes
+    if elsewhere:
+        r = store.rewrite(elsewhere, tier=to)
+        out.chunks += r.chunks
+        out.bytes_before += r.bytes_after  # what came from the server is what is stored here
+        out.bytes_after += r.bytes_after
+        out.skipped += r.skipped
+        out.missing += r.missing
+    progress(len(keys))
     return out
+
+
+#: entries of an export are streamed in frames of about this size (a frame holds at most 8 MiB)
+EXPORT_BATCH_BYTES = 1 << 20
+
+
+def op_export(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """``pin --export-manifest``: the manifest entries of the pins the selector picks
+    (``--label``, else every label; ``--model``, ``--adapter``, ``--base`` narrow them).
+    A document recorded when it was pinned (``pinned_documents``) whose chunks are all still
+    pinned under its label is one entry; the label's other pinned chunks are entries of
+    chunk keys, one per namespace. Entries stream as listing rows do (the client collects
+    them under ``chunks``); ``pinned`` counts the chunks they cover."""
+    extra = sorted(filters_of(args) - {"label", "model", "adapter", "base"}) + [
+        k for k in ("keys", "doc", "salt", "tokenizer") if args.get(k) is not None]
+    if extra:
+        raise UsageError(f"export takes label, model, adapter and base, not {', '.join(extra)}")
+    label = arg(args, "label", str)
+    labels = store.labels()
+    if label is not None:
+        labelled_keys(store, label)  # an unknown label is a usage error
+    recorded = recorded_namespaces(store)
+    where = namespace_filter(recorded, args)
+    names = {r.nid: r.ns for r in recorded}
+    batch: list[dict[str, Any]] = []
+    size = pinned = 0
+
+    def add(entry: dict[str, Any]) -> None:
+        nonlocal batch, size
+        batch.append(entry)
+        size += len(json.dumps(entry))
+        if size > EXPORT_BATCH_BYTES:
+            job.emit(batch)
+            batch, size = [], 0
+
+    chosen = [label] if label is not None else sorted(labels)
+    for n, name in enumerate(chosen):
+        job.progress(n, len(chosen), "exporting")
+        held = set(labels[name])
+        left = dict.fromkeys(k for k in labels[name] if where is None or k[:16] in where.prefixes)
+        covered: set[bytes] = set()
+        for d in pinned_documents.documents(store.path, name):
+            keys = [bytes.fromhex(h) for h in d["keys"]]
+            if not keys or not held.issuperset(keys) or (
+                    where is not None and not where.admits(d["model"], d["adapter"])):
+                continue
+            covered.update(keys)
+            for k in keys:
+                left.pop(k, None)
+            entry: dict[str, Any] = {"label": name, "model": d["model"]}
+            if d["adapter"] is not None:
+                entry["adapter"] = d["adapter"]
+            if d["salted"]:
+                entry["needs_cache_salt"] = True
+            add({**entry, **d["document"]})
+        by_ns: dict[bytes, list[bytes]] = {}
+        for k in left:
+            by_ns.setdefault(k[:16], []).append(k)
+        for nid, keys in by_ns.items():
+            entry = {"label": name}
+            ns = names.get(nid)
+            if ns is not None:
+                entry["model"] = ns.model
+                if ns.adapter is not None:
+                    entry["adapter"] = str(ns.adapter)
+            add({**entry, "keys": [k.hex() for k in keys]})
+        pinned += len(covered) + len(left)
+    if batch:
+        job.emit(batch)
+    return {"chunks": [], "pinned": pinned}
 
 
 def _info_json(c: ChunkInfo, names: dict[bytes, tuple[str, str | None]]) -> dict[str, Any]:
@@ -335,6 +470,6 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
 OPS: dict[str, Callable[[Store, dict[str, Any], Job], dict[str, Any]]] = {
     "lookup": op_lookup, "pin": op_pin, "unpin": op_unpin, "evict": op_evict, "move": op_move,
-    "compress": op_compress, "warm": op_warm, "ls": op_ls, "inspect": op_inspect, "verify": op_verify,
-    "names": op_names, "config": op_config,
+    "compress": op_compress, "warm": op_warm, "export": op_export, "ls": op_ls, "inspect": op_inspect,
+    "verify": op_verify, "names": op_names, "config": op_config,
 }

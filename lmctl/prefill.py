@@ -85,8 +85,10 @@ def send(endpoint: str, sel: dict[str, Any]) -> None:
         url, body["prompt"] = endpoint + "/v1/completions", doc["tokens"]
     else:
         url, body["prompt"] = endpoint + "/v1/completions", doc["text"]
-    if sel.get("adapter") and "@" not in sel["adapter"] and os.sep not in sel["adapter"]:
-        body["model"] = sel["adapter"]  # vLLM serves a LoRA adapter under its name
+    if sel.get("adapter") and os.sep not in sel["adapter"]:
+        # vLLM serves a LoRA adapter under its name (NAME@DIGEST: the name; the digest is
+        # checked when the chunks are looked up)
+        body["model"] = sel["adapter"].partition("@")[0]
     if sel.get("salt"):
         body["cache_salt"] = sel["salt"]
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})

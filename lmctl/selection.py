@@ -260,12 +260,41 @@ def configured_tier(store: Store, tier: str, what: str) -> str:
     return tier
 
 
-def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
-    """The stored chunks (of ``only``, when given) that every filter of ``args`` lets through."""
-    recorded = recorded_namespaces(store)
+@dataclass
+class NamespaceFilter:
+    """What ``--model``, ``--adapter`` and ``--base`` admit: the models (ids as recorded)
+    and adapter identity, and the recorded namespaces (chunk key prefixes) that match."""
+
+    models: set[str]
+    adapter: AdapterIdentity | None
+    base: bool
+    prefixes: list[bytes]
+
+    def admits(self, model: str, adapter: str | None) -> bool:
+        """Whether a namespace of ``model`` and ``adapter`` (NAME@DIGEST or None) passes."""
+        return (model in self.models and (not self.base or adapter is None)
+                and (self.adapter is None or adapter == str(self.adapter)))
+
+
+def namespace_filter(recorded: list[Recorded], args: dict[str, Any]) -> NamespaceFilter | None:
+    """The namespace filter of ``args`` (None when it sets none); an unknown model or
+    adapter is a usage error."""
     model = arg(args, "model", str)
     adapter_spec = arg(args, "adapter", str)
     base = arg(args, "base", bool, False)
+    _check_model(recorded, model)
+    if model is None and adapter_spec is None and not base:
+        return None
+    adapter = _resolve_adapter(adapter_spec, recorded) if adapter_spec else None
+    mine = [r for r in recorded if _model_matches(r, model)]
+    return NamespaceFilter({r.ns.model for r in mine}, adapter, base,
+                           [r.nid for r in mine if (not base or r.ns.adapter is None)
+                            and (adapter is None or r.ns.adapter == adapter)])
+
+
+def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
+    """The stored chunks (of ``only``, when given) that every filter of ``args`` lets through."""
+    recorded = recorded_namespaces(store)
     label = arg(args, "label", str)
     tier = arg(args, "tier", str)
     older = arg(args, "older_than", float)
@@ -276,13 +305,8 @@ def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) 
         raise UsageError("--older-than must not be negative")
     if tier is not None:
         configured_tier(store, tier, "--tier")
-    _check_model(recorded, model)
-    prefixes: list[bytes] | None = None
-    if model is not None or adapter_spec is not None or base:
-        adapter = _resolve_adapter(adapter_spec, recorded) if adapter_spec else None
-        prefixes = [r.nid for r in recorded if _model_matches(r, model)
-                    and (not base or r.ns.adapter is None)
-                    and (adapter is None or r.ns.adapter == adapter)]
+    where = namespace_filter(recorded, args)
+    prefixes = None if where is None else where.prefixes
     label_keys = None if label is None else set(labelled_keys(store, label))
     cutoff = time.time() - older if older is not None else None
 

@@ -202,11 +202,15 @@ class Terminal:
             raise typer.Exit(self.fail(exc)) from None
 
     # -- the daemon -----------------------------------------------------------------------
-    def call(self, cmd: str, args: dict[str, Any] | None = None, long: bool = False) -> dict[str, Any]:
-        """One request to the daemon; ``long`` ones show a progress bar (not under --json)."""
+    def call(self, cmd: str, args: dict[str, Any] | None = None, long: bool = False,
+             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+        """One request to the daemon; ``long`` ones show a progress bar (not under --json),
+        or tell ``progress`` how the job goes (a caller that shows one bar for many requests)."""
         if self.client is None:
             self.client = Client(self.socket)
         try:
+            if progress is not None:
+                return self.client.call(cmd, args, progress)
             if long and not self.json:
                 with self.progress() as update:
                     return self.client.call(cmd, args, update)

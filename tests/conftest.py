@@ -116,9 +116,10 @@ def flip_byte(store: Store, k: bytes, where: str = "payload") -> None:
 
 
 @contextmanager
-def fake_engine() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+def fake_engine(on_post: Callable[[str, Any], None] | None = None) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
     """A stand-in for an engine's OpenAI-compatible server on loopback: ``(url, requests)``,
-    each request its path and JSON body; every POST is answered ``{}``."""
+    each request its path and JSON body; every POST is answered ``{}`` (after
+    ``on_post(path, body)``, which may store what an engine would)."""
     import http.server
     import json
     import threading
@@ -128,6 +129,8 @@ def fake_engine() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802
             requests.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            if on_post is not None:
+                on_post(*requests[-1])
             self.send_response(200)
             self.end_headers()
             self.wfile.write(b"{}")

@@ -65,6 +65,9 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
                 "inspect --key": cj(d, "inspect", "--key", key),
                 "ls": cj(d, "ls", "--limit", "1"),
                 "warm": cj(d, "warm", "--tokens", doc, "--endpoint", url),
+                "pin --export-manifest": cj(d, "pin", "--export-manifest", str(tmp_path / "m.json"), "--label",
+                                            "contracts"),
+                "warm --manifest": cj(d, "warm", "--manifest", str(tmp_path / "m.json")),
                 "verify": cj(d, "verify"),
             }
     finally:
