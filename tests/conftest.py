@@ -145,3 +145,23 @@ def fake_engine(on_post: Callable[[str, Any], None] | None = None) -> Iterator[t
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Start redis-servers (tests/redis_server.py: plain, on a free port, unless told
+    otherwise); all are stopped at the end."""
+    from redis_server import Server
+
+    started: list[Server] = []
+
+    def start(*args: str, wait: bool = True, **client_kw: Any) -> Server:
+        s = Server(tmp_path / f"redis{len(started)}", *args)
+        started.append(s)
+        if wait:
+            s.wait(lambda: s.client(**client_kw))
+        return s
+
+    yield start
+    for s in started:
+        s.stop()

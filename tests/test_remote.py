@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,12 +20,12 @@ from typing import Any
 
 import pytest
 import redis
+from redis_server import Server, free_port
 
 from store.errors import StoreError
 from store.remote import CircuitBreaker, RemoteMeta, RemoteTier, redacted
 
 KiB = 1024
-REDIS = shutil.which("redis-server") or "redis-server"
 
 
 def key(i: int) -> bytes:
@@ -43,95 +41,6 @@ def payload(i: int, n: int) -> bytes:
 def meta(n: int, **kw: Any) -> RemoteMeta:
     return RemoteMeta(raw_len=n, codec=kw.pop("codec", "raw"), layout=kw.pop("layout", {"dtype": "bfloat16"}),
                       tokens=kw.pop("tokens", 16), **kw)
-
-
-def free_port(also_bus: bool = False) -> int:
-    """A free loopback port (and, for a cluster node, its bus port + 10000 free too)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not also_bus:
-            return port
-        if port + 10000 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair")
-
-
-class Server:
-    """One redis-server process on a loopback port (or only a Unix socket / a TLS port)."""
-
-    def __init__(self, folder: Path, *args: str, port: int | None = None) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port("--cluster-enabled" in args) if port is None else port
-        self.args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder), *args]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        port = "0" if "--tls-port" in self.args or "--unixsocket" in self.args else str(self.port)
-        log = open(self.folder / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen([REDIS, "--port", port, *self.args], stdout=log, stderr=log)
-        log.close()
-
-    def wait(self, client: Callable[[], redis.Redis]) -> None:
-        deadline = time.monotonic() + 10
-        while True:
-            assert self.proc is not None and self.proc.poll() is None, (self.folder / "redis.log").read_text()
-            try:
-                if client().ping():
-                    return
-            except (redis.ConnectionError, redis.ResponseError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start: " + (self.folder / "redis.log").read_text())
-            time.sleep(0.02)
-
-    def client(self, **kw: Any) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kw)
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, sig)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pid = self.proc.pid
-        os.kill(pid, signal.SIGCONT)
-        os.kill(pid, signal.SIGTERM)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.kill(pid, signal.SIGKILL)
-            self.proc.wait(5)
-
-
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[Callable[..., Server]]:
-    """Start redis-servers (plain, on a free port, unless told otherwise); all stopped at the end."""
-    started: list[Server] = []
-
-    def start(*args: str, wait: bool = True, **client_kw: Any) -> Server:
-        s = Server(tmp_path / f"redis{len(started)}", *args)
-        started.append(s)
-        if wait:
-            s.wait(lambda: s.client(**client_kw))
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMALL_FMT, SMALL_LAYOUT, content
-from test_remote import Server, servers  # noqa: F401  (the fixture)
+from redis_server import Server
 
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.config import RemoteConfig
@@ -20,7 +20,7 @@ TOKENS = list(range(16 * 6))
 
 
 @pytest.fixture
-def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:  # noqa: F811
+def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:
     """Stores on two "machines" (two folders), both on one Redis server."""
     redis = servers()
     opened: list[Store] = []

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -402,3 +403,54 @@ def test_load_policy_recomputes_a_prefix_that_a_slow_tier_would_load_too_slowly(
         assert s["load_gbps"]["nvme"] < 0.01 and s["prefill_ms_per_token"]
     finally:
         eng.close()
+
+
+def test_two_engines_share_chunks_through_a_redis_server(models: dict[str, Path], reference: dict,
+                                                          tmp_path: Path, servers: Any) -> None:
+    """Two engines on two stores (two hosts), one Redis server: the second hits what the
+    first computed, adapters and salts stay apart across hosts, and a frozen or dead server
+    costs misses (correct outputs, no long waits), never errors; when it is back, sharing
+    resumes."""
+    redis = servers()
+    shared = {"remote_url": redis.url, "remote_key_prefix": "t"}
+    first = Engine(models, tmp_path / "host1", **shared)
+    try:
+        for p, a in (("P", "A"), ("Q", None), ("S", None)):
+            out, cached = first.run(PROMPTS[p], a)
+            assert cached == 0 and out == reference[(p, a)]
+    finally:
+        first.close()
+    second = Engine(models, tmp_path / "host2", **shared)
+    try:
+        out, cached = second.run(P, "A")
+        assert cached == 512 and out == reference[("P", "A")]  # from host 1, through Redis
+        assert second.connector().loaded_chunks == 2
+        for a in ("B", None):  # another adapter, the base model: never host 1's adapter KV
+            out, cached = second.run(P, a)
+            assert cached == 0 and out == reference[("P", a)]
+        out, cached = second.run(Q, None, salt="tenant-2")  # another tenant's salt
+        assert cached == 0 and out == reference[("Q", None)]
+
+        redis.signal(signal.SIGSTOP)  # slow: the server answers nothing
+        try:
+            t0 = time.monotonic()
+            out, cached = second.run(S)
+            assert cached == 0 and out == reference[("S", None)]
+            assert time.monotonic() - t0 < 30
+        finally:
+            redis.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while True:  # the breaker probes again by itself: Q (host 1's, unsalted) hits
+            out, cached = second.run(Q)
+            assert out == reference[("Q", None)]
+            if cached == 512:
+                break
+            assert time.monotonic() < deadline, "sharing did not resume after the server came back"
+            time.sleep(1)
+
+        redis.signal(signal.SIGKILL)  # down
+        t0 = time.monotonic()
+        out, cached = second.run(R, "A")
+        assert out == reference[("R", "A")] and time.monotonic() - t0 < 30
+    finally:
+        second.close()
