@@ -70,8 +70,11 @@ class Recovery:
 
     def absent_tiers(self) -> set[str]:
         """Tiers whose folder is not the tier's (no marker): an unmounted disk or a moved
-        folder, not lost segments. Their entries are never dropped for that."""
-        absent = {st.name for st in self.tiers.values() if not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
+        folder, not lost segments. Their entries are never dropped for that. The dram tier is
+        never absent: it lives on tmpfs, whose files a reboot removes, and then its chunks
+        are gone for good."""
+        absent = {st.name for st in self.tiers.values()
+                  if st.name != "dram" and not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
         for name in absent:
             log.error("%s", self.absent_message(name))
         return absent

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tarfile
 import threading
 import time
@@ -348,3 +349,22 @@ def test_connector_dram_capacity_puts_saves_in_dram(tmp_path: Path) -> None:
         assert s.config.tiers["dram"].path == str(tmp_path / "shm") and "nvme" in s.config.tiers
     with pytest.raises(StoreError, match="dram_capacity"):
         ConnectorSettings.parse({"store_path": "/x", "dram_capacity": "1KiB"})
+
+
+def test_after_a_reboot_the_dram_tiers_chunks_are_forgotten_and_nvme_keeps_its_own(tmp_path: Path) -> None:
+    """tmpfs is empty after a reboot: the dram tier's chunks are gone for good, and the index
+    must not go on reporting them as hits (an unmounted disk tier, by contrast, is kept)."""
+    shm = tmp_path / "shm"
+    cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(shm)),
+                             "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram")
+    keys = [bytes([4]) * 16 + i.to_bytes(32, "big") for i in range(6)]
+    with Store(tmp_path / "s", cfg) as s:
+        assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[:3]]))
+        assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[3:]], tier="nvme"))
+    shutil.rmtree(shm)  # the reboot
+    with Store(tmp_path / "s") as s:
+        assert s.locate(keys) == [None] * 3 + ["nvme"] * 3
+        assert s.stats().tiers["dram"].chunks == 0
+        assert [p for p in s.check(deep=True) if not p.fixed] == []
+        assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[:3]]))
+        assert s.locate(keys[:3]) == ["dram"] * 3
