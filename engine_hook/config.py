@@ -28,7 +28,17 @@ def default_dram_path(store_path: str) -> str:
     tmpfs (``/dev/shm``), one folder per store."""
     import hashlib
 
-    return os.path.join("/dev/shm", "lmctl-" + hashlib.sha256(store_path.encode()).hexdigest()[:12])
+    path = os.path.join("/dev/shm", "lmctl-" + hashlib.sha256(store_path.encode()).hexdigest()[:12])
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise StoreError(f"{path} exists and is not a private folder of this user (another user may have made "
+                         "it); remove it or set dram_path")
+    return path
 
 
 def _whole(value: Any, name: str, lo: int, hi: int) -> int:
@@ -124,8 +134,8 @@ class ConnectorSettings:
         cfg = StoreConfig.from_json(store.config.to_json())
         if self.codec is not None:
             cfg.codec = self.codec
-        if self.capacity is not None:
-            cfg.tiers[cfg.default_tier].capacity = self.capacity
+        if self.capacity is not None:  # the disk tier's, whatever the default tier is
+            cfg.tiers["nvme" if "nvme" in cfg.tiers else cfg.default_tier].capacity = self.capacity
         if self.dram_capacity is not None:
             # saves go to dram; under pressure they are demoted to nvme, and nvme hits promoted
             dram = cfg.tiers.get("dram")

@@ -9,16 +9,20 @@ Pinned chunks are never chosen.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from .compaction import Compactor
 from .config import StoreConfig
+from .errors import StoreError
 from .index import ENTRY_TIER_OFFSET, Entry, Index, Txn, lru_chunk
 from .namespaces import Namespaces
 from .segment import ALIGN
 from .space import Space
 from .types import Evicted
+
+log = logging.getLogger("lmctl.store")
 
 
 class Evictor:
@@ -35,6 +39,8 @@ class Evictor:
         #: where a tier's victims go before they are dropped (dram -> nvme, nvme -> the remote
         #: tier with write "evict"); None: they are dropped
         self.spill: Callable[[str, list[tuple[bytes, Entry]]], object] | None = None
+        #: whether the spill of a tier moves its victims to another local tier (keeping them)
+        self.spill_moves: Callable[[str], bool] | None = None
 
     def retired(self, t: Txn | None = None) -> set[bytes]:
         """The namespaces whose chunks go first (see ``Store.retired_namespaces``)."""
@@ -55,10 +61,13 @@ class Evictor:
             return 0
         to_free = used + incoming - int(cap * self._config().low_watermark)
 
+        moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
+
         def pick(t: Txn) -> tuple[dict[bytes, Entry], int]:
             freed = retired = 0
             victims: dict[bytes, Entry] = {}
-            sources = ((True, self._retired_victims(t, st.tid)), (False, self._lru_victims(t, st.tid)))
+            # a spill that moves chunks (dram to nvme) may take pinned ones: a move keeps the pin
+            sources = ((True, self._retired_victims(t, st.tid, moves)), (False, self._lru_victims(t, st.tid, moves)))
             for from_retired, keys in sources:
                 for key in keys:
                     if freed >= to_free:
@@ -96,7 +105,11 @@ class Evictor:
             with self.index.read() as t:
                 victims, retired = pick(t)
             if victims:
-                self.spill(tier, sorted(victims.items(), key=lambda kv: (kv[1].seg, kv[1].off)))
+                try:
+                    self.spill(tier, sorted(victims.items(), key=lambda kv: (kv[1].seg, kv[1].off)))
+                except (StoreError, OSError) as exc:  # the next tier is full or failing: evict
+                    log.warning("could not move %d chunk(s) out of tier %s (%s); evicting them", len(victims),
+                                tier, exc)
             n = self.index.write(lambda t: drop(t, victims, retired))
         used = self.space.used(tier)
         if used + incoming > cap:
@@ -109,8 +122,8 @@ class Evictor:
                 self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
         return n
 
-    def _lru_victims(self, t: Txn, tier: int) -> Iterator[bytes]:
-        """Unpinned chunks of ``tier``, least recently used first."""
+    def _lru_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
+        """Unpinned chunks of ``tier`` (all, with ``pinned_too``), least recently used first."""
         cur = t.raw.cursor(db=self.index.lru)
         prefix = bytes([tier])
         if not cur.set_range(prefix):
@@ -119,10 +132,10 @@ class Evictor:
             if k[:1] != prefix:
                 return
             key = lru_chunk(k)
-            if not t.pinned(key):
+            if pinned_too or not t.pinned(key):
                 yield key
 
-    def _retired_victims(self, t: Txn, tier: int) -> Iterator[bytes]:
+    def _retired_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of retired namespaces in ``tier``."""
         for nid in sorted(self.retired(t)):
             cur = t.raw.cursor(db=self.index.chunks)
@@ -134,7 +147,7 @@ class Evictor:
                 if v[ENTRY_TIER_OFFSET] != tier:
                     continue
                 key = bytes(k)
-                if not t.pinned(key):
+                if pinned_too or not t.pinned(key):
                     yield key
 
     def evict(self, keys: Iterable[bytes], force: bool = False) -> Evicted:

@@ -45,6 +45,8 @@ class Recovery:
         self.tiers = space.tiers
         self.path = path
         self.lock = lock
+        #: the machine rebooted since the store was last opened for writing (its tmpfs is new)
+        self.rebooted = False
 
     # -- tier folders --------------------------------------------------------------------
     def mark_tiers(self, segs: list[tuple[int, SegmentRecord]]) -> None:
@@ -70,11 +72,13 @@ class Recovery:
 
     def absent_tiers(self) -> set[str]:
         """Tiers whose folder is not the tier's (no marker): an unmounted disk or a moved
-        folder, not lost segments. Their entries are never dropped for that. The dram tier is
-        never absent: it lives on tmpfs, whose files a reboot removes, and then its chunks
-        are gone for good."""
+        folder, not lost segments. Their entries are never dropped for that. The dram tier after
+        a reboot (``rebooted``) is not absent: it lives on tmpfs, whose files a reboot removes,
+        so its chunks are gone for good. (Without a reboot a missing dram folder may be another
+        mount namespace's view of /dev/shm: then it is absent like any other.)"""
         absent = {st.name for st in self.tiers.values()
-                  if st.name != "dram" and not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
+                  if not (st.name == "dram" and self.rebooted)
+                  and not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
         for name in absent:
             log.error("%s", self.absent_message(name))
         return absent

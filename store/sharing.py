@@ -98,9 +98,12 @@ class Sharing:
 
         n = 0
         for key, stored, raw_len, cid, level, layout, tokens, checksum in chunks:
-            meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[cid], level=level, layout=layout, tokens=tokens,
-                              checksum=checksum)
-            n += self.tier.put(key, stored, meta)
+            try:
+                meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[cid], level=level, layout=layout, tokens=tokens,
+                                  checksum=checksum)
+                n += self.tier.put(key, stored, meta)
+            except StoreError as exc:  # a chunk the tier refuses (too large, odd metadata): not shared
+                log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
         return n
 
     def push_entries(self, victims: Sequence[tuple[bytes, Any]],
@@ -114,9 +117,12 @@ class Sharing:
             data = stored_of(key, e)
             if data is None:
                 continue
-            meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
-                              tokens=e.tokens, checksum=e.checksum)
-            n += self.tier.put(key, data, meta)
+            try:
+                meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
+                                  tokens=e.tokens, checksum=e.checksum)
+                n += self.tier.put(key, data, meta)
+            except StoreError as exc:
+                log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
         return n
 
     def move_here(self, keys: Sequence[bytes], read: Callable[[bytes], Any], evict: Callable[[list[bytes]], Any],

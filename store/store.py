@@ -139,7 +139,9 @@ class Store:
         self._compactor = Compactor(self._index, self._space, cfg, self._lock)
         self._evictor = Evictor(self._index, self._space, self._compactor, self._ns, cfg, self._lock)
         self._recovery = Recovery(self._index, self._space, self.path, self._lock)
-        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment, self._lock)
+        # the access log has a lock of its own: a hit never waits for a write holding the store's
+        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
+                            threading.RLock())
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
         self._sharing: Sharing | None = None
         self._share(self.config)
@@ -154,6 +156,7 @@ class Store:
                             "they were open to other users: %s", len(fixed), self.path,
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
+            self._recovery.rebooted = self._note_boot()
             self.recover()
             if restore is not None or (self._index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
@@ -188,15 +191,9 @@ class Store:
     def _promote(self, key: bytes) -> None:
         """Move a chunk that was just read from nvme into dram (the default tier), in the
         background; at most ``PROMOTE_QUEUE`` waiting, more are skipped (a later hit retries)."""
-        with self._promote_lock:
-            if key in self._promoting or len(self._promoting) >= PROMOTE_QUEUE or self._closed:
-                return
-            self._promoting.add(key)
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-promote")
-
         def move() -> None:
             try:
+                self.flush()  # its access time first, so that it arrives in dram as recently used
                 self._writes.rewrite([key], tier="dram")
             except StoreError as exc:
                 log.debug("could not promote chunk %s to dram: %s", key[16:24].hex(), exc)
@@ -204,13 +201,25 @@ class Store:
                 with self._promote_lock:
                     self._promoting.discard(key)
 
-        self._promoter.submit(move)
+        if self.pin_refs(key):
+            return  # pinned chunks stay where they are: dram has a pin budget of its own
+        with self._promote_lock:
+            if key in self._promoting or len(self._promoting) >= PROMOTE_QUEUE or self._closed:
+                return
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-promote")
+            try:
+                self._promoter.submit(move)
+            except RuntimeError:  # shutting down
+                return
+            self._promoting.add(key)
 
     def _set_spill(self) -> None:
         """Eviction spills to the next tier down where there is one: dram to nvme, and the last
         local tier to the remote tier when its write policy is ``evict``."""
         remote_evict = self._sharing is not None and self._sharing.cfg.write == "evict"
         self._evictor.spill = self._spill if remote_evict or {"dram", "nvme"} <= set(self._tiers) else None
+        self._evictor.spill_moves = lambda tier: tier == "dram" and "nvme" in self._tiers
 
     def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
         if tier == "dram" and "nvme" in self._tiers:
@@ -222,6 +231,23 @@ class Store:
             self._sharing.push_entries(victims, self._reads.stored_bytes)
 
     # -- settings ------------------------------------------------------------------------
+    def _note_boot(self) -> bool:
+        """Record this boot's id in the index; whether another boot recorded the last one."""
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                boot = f.read().strip()
+        except OSError:
+            return False
+        meta = self._index.meta
+
+        def fn(t: Txn) -> bool:
+            old = t.raw.get(b"boot_id", db=meta)
+            if old != boot:
+                t.raw.put(b"boot_id", boot, db=meta)
+            return old is not None and bytes(old) != boot
+
+        return self._index.write(fn)
+
     def _add_tier(self, name: str) -> None:
         cfg = self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
@@ -598,27 +624,29 @@ class Store:
         """Flush access times, seal this process's open segments and close the index."""
         if self._closed:
             return
-        if os.getpid() == self._index._pid:
-            with self._promote_lock:
-                promoter, self._promoter = self._promoter, None
-                self._closed = True  # no new promotions
-            if promoter is not None:
-                promoter.shutdown(wait=True)
-            try:
-                self.flush()
-            except StoreError:
-                pass
-            for st in self._tiers.values():
-                if not self.readonly:
-                    self._space.seal_open(st)
-                self._space.close_retired(st)
-                st.io.close()
-            if self._journal is not None:
-                self._journal.close()
-            if self._sharing is not None:
-                self._sharing.close()
-        self._index.close()
-        self._closed = True
+        try:
+            if os.getpid() == self._index._pid:
+                with self._promote_lock:
+                    promoter, self._promoter = self._promoter, None
+                    self._closed = True  # no new promotions
+                if promoter is not None:
+                    promoter.shutdown(wait=True, cancel_futures=True)
+                try:
+                    self.flush()
+                except StoreError:
+                    pass
+                for st in self._tiers.values():
+                    if not self.readonly:
+                        self._space.seal_open(st)
+                    self._space.close_retired(st)
+                    st.io.close()
+                if self._journal is not None:
+                    self._journal.close()
+                if self._sharing is not None:
+                    self._sharing.close()
+        finally:
+            self._index.close()
+            self._closed = True
 
     def __enter__(self) -> Store:
         return self

@@ -314,7 +314,7 @@ def test_a_full_dram_tier_demotes_to_nvme_instead_of_evicting(tmp_path: Path) ->
             assert s.put(k, content(k, big), {"dtype": "uint8"})
         tiers = s.locate(keys)
         assert None not in tiers and "nvme" in tiers and tiers[-1] == "dram"
-        assert tiers[0] == "dram" and s.pin_refs(keys[0]) == 1  # a pinned chunk stays where it is
+        assert tiers[0] == "nvme" and s.pin_refs(keys[0]) == 1  # pinned: demoted like the others, pin kept
         assert s.stats().counters["evicted"] == 0
         assert all(bytes(c.data) == content(k, big) for k in keys if (c := s.get(k, touch=False)) is not None)
         assert s.stats().tiers["dram"].disk_bytes <= 16 * MiB
@@ -342,10 +342,12 @@ def test_connector_dram_capacity_puts_saves_in_dram(tmp_path: Path) -> None:
     from engine_hook.config import ConnectorSettings
 
     st = ConnectorSettings.parse({"store_path": str(tmp_path / "s"), "dram_capacity": "64MiB",
-                                  "dram_path": str(tmp_path / "shm")})
+                                  "dram_path": str(tmp_path / "shm"), "capacity": "1GiB"})
     with Store(tmp_path / "s") as s:
         st.apply(s)
+        st.apply(s)  # again, as at the next start: capacity is still the disk tier's
         assert s.config.default_tier == "dram" and s.config.tiers["dram"].capacity == 64 * MiB
+        assert s.config.tiers["nvme"].capacity == 1 << 30
         assert s.config.tiers["dram"].path == str(tmp_path / "shm") and "nvme" in s.config.tiers
     with pytest.raises(StoreError, match="dram_capacity"):
         ConnectorSettings.parse({"store_path": "/x", "dram_capacity": "1KiB"})
@@ -353,7 +355,8 @@ def test_connector_dram_capacity_puts_saves_in_dram(tmp_path: Path) -> None:
 
 def test_after_a_reboot_the_dram_tiers_chunks_are_forgotten_and_nvme_keeps_its_own(tmp_path: Path) -> None:
     """tmpfs is empty after a reboot: the dram tier's chunks are gone for good, and the index
-    must not go on reporting them as hits (an unmounted disk tier, by contrast, is kept)."""
+    must not go on reporting them as hits. Without a reboot, a missing dram folder may be
+    another mount namespace's /dev/shm: its chunks are kept, like an unmounted disk's."""
     shm = tmp_path / "shm"
     cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(shm)),
                              "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram")
@@ -361,10 +364,40 @@ def test_after_a_reboot_the_dram_tiers_chunks_are_forgotten_and_nvme_keeps_its_o
     with Store(tmp_path / "s", cfg) as s:
         assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[:3]]))
         assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[3:]], tier="nvme"))
-    shutil.rmtree(shm)  # the reboot
+    moved = tmp_path / "elsewhere"
+    shm.rename(moved)  # the same boot, another view of /dev/shm
+    with Store(tmp_path / "s") as s:
+        assert s.locate(keys) == ["dram"] * 3 + ["nvme"] * 3  # kept until the folder is back
+        s._index.write(lambda t: t.raw.put(b"boot_id", b"an earlier boot", db=s._index.meta))
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(moved)  # the reboot
     with Store(tmp_path / "s") as s:
         assert s.locate(keys) == [None] * 3 + ["nvme"] * 3
         assert s.stats().tiers["dram"].chunks == 0
         assert [p for p in s.check(deep=True) if not p.fixed] == []
         assert all(s.put_many([PutItem(k, content(k, 8192), {"dtype": "uint8"}) for k in keys[:3]]))
         assert s.locate(keys[:3]) == ["dram"] * 3
+
+
+def test_pinned_chunks_are_not_promoted_and_a_failing_spill_evicts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = StoreConfig(tiers={"dram": TierConfig(capacity=16 * MiB, path=str(tmp_path / "shm")),
+                             "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram", segment_bytes=1 * MiB)
+    with Store(tmp_path / "s", cfg) as s:
+        k = bytes([3]) * 16 + (1).to_bytes(32, "big")
+        assert s.put_many([PutItem(k, content(k, 1 << 20), {"dtype": "uint8"})], tier="nvme") == [True]
+        s.pin("doc", [k])
+        assert s.get_into(k, bytearray(1 << 20)) is not None
+        time.sleep(0.3)
+        assert s.locate([k]) == ["nvme"]  # dram has a pin budget of its own: pinned chunks are not promoted
+        # the nvme tier fails: dram's victims cannot move, so they are evicted, and puts go on
+        from store.writes import Writes
+
+        def broken(self: Writes, *a: object, **kw: object) -> object:
+            raise StoreError("injected: the disk under nvme is full")
+
+        monkeypatch.setattr(Writes, "rewrite", broken)
+        keys = [bytes([2]) * 16 + i.to_bytes(32, "big") for i in range(30)]
+        for key in keys:
+            assert s.put(key, content(key, 1 << 20), {"dtype": "uint8"})
+        assert s.stats().counters["evicted"] > 0 and s.locate(keys[-1:]) == ["dram"]
