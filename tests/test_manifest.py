@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, content, fake_engine
+from redis_server import Server
 from test_cli import error, lmctl, ok
 from test_daemon import FMT, LAYOUT, NS, OTHER, TOKENS, Daemon, fill, library, tokens_file
-from test_remote import Server, servers  # noqa: F401  (the fixture)
 
 from lmctl.manifest import parse_manifest
 from lmctl.terminal import CommandError
@@ -242,7 +242,7 @@ def test_warm_prefills_what_no_tier_has_and_pins(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def shared(tmp_path: Path, servers: Callable[..., Server]) -> Callable[..., Path]:  # noqa: F811
+def shared(tmp_path: Path, servers: Callable[..., Server]) -> Callable[..., Path]:
     """Store folders of two hosts on one Redis server: ``host(name, dram=False)``."""
     redis = servers()
 
