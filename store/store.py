@@ -303,9 +303,10 @@ class Store:
                     self._add_tier(name)
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
-                self._evictor.make_room(name, 0)
-            self._share(config)
+            self._share(config)  # before making room: a smaller tier spills as the new settings say
             self._set_spill()
+            for name in self._tiers:
+                self._evictor.make_room(name, 0)
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
     def _index_is_new(self) -> bool:
@@ -429,16 +430,18 @@ class Store:
         """The tier of each key, or None where it is not stored (one read transaction; then,
         with a remote tier and ``remote``, one pipelined round trip for what the local tiers lack)."""
         tiers = self._reads.locate(keys)
-        if remote and self._sharing is not None:
-            tiers = self._sharing.locate(keys, tiers)
+        sharing = self._sharing  # one snapshot: configure() may swap it meanwhile
+        if remote and sharing is not None:
+            tiers = sharing.locate(keys, tiers)
         return tiers
 
     def lookup(self, ns: Namespace, tokens: Sequence[int], remote: bool = True) -> LookupResult:
         """Longest stored prefix of ``tokens`` in namespace ``ns``: the local index, then (with
         a remote tier) the remote tier for the chunks after the local prefix."""
         found = self._reads.lookup(ns, tokens)
-        if remote and self._sharing is not None and found.hit_chunks < len(found.keys):
-            found.tiers = self._sharing.locate(found.keys, found.tiers)
+        sharing = self._sharing
+        if remote and sharing is not None and found.hit_chunks < len(found.keys):
+            found.tiers = sharing.locate(found.keys, found.tiers)
             hit = 0
             for t in found.tiers:
                 if t is None:
@@ -454,8 +457,9 @@ class Store:
         as neither a hit nor a miss and leaves the chunk's access time alone. A chunk only the
         remote tier holds is read from there (and promoted into the local default tier)."""
         chunk = self._reads.get(key, touch)
-        if chunk is None and self._sharing is not None and touch:
-            got = self._sharing.fetch_into(key, None)
+        sharing = self._sharing
+        if chunk is None and sharing is not None and touch:
+            got = sharing.fetch_into(key, None)
             if got is not None:
                 info, data = got
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
@@ -472,8 +476,9 @@ class Store:
         info = self._reads.get_into(key, out, touch)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
-        if info is None and self._sharing is not None and touch:
-            got = self._sharing.fetch_into(key, memoryview(out).cast("B"))
+        sharing = self._sharing
+        if info is None and sharing is not None and touch:
+            got = sharing.fetch_into(key, memoryview(out).cast("B"))
             info = None if got is None else got[0]
         return info
 
