@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from .context import ConnectorContext
 
 log = logging.getLogger("lmctl.engine_hook")
+
+#: how long the scheduler waits for the remote tier's answer before telling vLLM to ask again
+REMOTE_ASK_WAIT_S = 0.005
 
 
 class RecentKeys:
@@ -123,7 +126,7 @@ class LMCtlConnectorScheduler:
         prompt = list(request.prompt_token_ids or [])
         ns = self._namespace(request, self.ctx.kv_format)
         found = self.store.lookup(ns, prompt, remote=False)
-        if self.store.has_remote and found.hit_chunks < len(found.keys):
+        if self.store.has_remote and self.store.remote_reachable and found.hit_chunks < len(found.keys):
             tiers = self._ask_remote(request.request_id, found.keys, found.tiers)
             if tiers is None:
                 return None  # asked; vLLM asks again next step
@@ -159,8 +162,8 @@ class LMCtlConnectorScheduler:
         if fut is None:
             if self._remote_pool is None:
                 self._remote_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmctl-remote-lookup")
-            self._remote_asks[req_id] = self._remote_pool.submit(self.store.locate, keys)
-            return None
+            fut = self._remote_asks[req_id] = self._remote_pool.submit(self.store.locate, keys)
+            wait([fut], timeout=REMOTE_ASK_WAIT_S)  # a near server answers within this: no extra step
         if not fut.done():
             return None
         del self._remote_asks[req_id]

@@ -169,6 +169,13 @@ class Store:
         """Whether this store has a remote tier (lookups and reads may then ask a server)."""
         return self._sharing is not None
 
+    @property
+    def remote_reachable(self) -> bool:
+        """Whether the remote tier's calls go to the server now (its circuit breaker is not
+        open: after failures, calls are answered as misses without the network)."""
+        sharing = self._sharing
+        return sharing is not None and sharing.tier.breaker.state != sharing.tier.breaker.OPEN
+
     def _share(self, config: StoreConfig) -> None:
         """Open (or, when its settings changed, reopen) the remote tier of ``config``."""
         old = self._sharing

@@ -118,6 +118,7 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     """A prompt the local store lacks: the scheduler side answers vLLM "ask again later"
     (None) while the remote tier is asked in the background, then the remote hit."""
     from types import SimpleNamespace
+    from typing import Any
 
     from engine_hook.config import ConnectorSettings
     from engine_hook.context import ConnectorContext
@@ -133,13 +134,23 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     sched = LMCtlConnectorScheduler(ConnectorContext(settings, "m", SMALL_FMT, ["l0", "l1"], 16, None, None, {}))
     try:
         assert sched.store.has_remote and sched.store.config.remote.key_prefix == "test"  # type: ignore[union-attr]
-        req = SimpleNamespace(request_id="r1", prompt_token_ids=TOKENS, lora_request=None, cache_salt=None)
-        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10
-        while (got := sched.get_num_new_matched_tokens(req, 0)) == (None, False):  # type: ignore[arg-type]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert got == (64, True)  # 4 chunks of 16 tokens, from the remote tier
+        def req(rid: str) -> Any:
+            return SimpleNamespace(request_id=rid, prompt_token_ids=TOKENS, lora_request=None, cache_salt=None)
+
+        assert sched.get_num_new_matched_tokens(req("r1"), 0) == (64, True)  # a near server: at once
+        redis: Server = hosts.redis  # type: ignore[attr-defined]
+        redis.signal(signal.SIGSTOP)  # a slow server: vLLM is told to ask again, the scheduler never waits
+        try:
+            t0 = time.monotonic()
+            assert sched.get_num_new_matched_tokens(req("r2"), 0) == (None, False)
+            assert time.monotonic() - t0 < 0.5
+            deadline = time.monotonic() + 10
+            while (got := sched.get_num_new_matched_tokens(req("r2"), 0)) == (None, False):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert got == (0, False)  # the lookup timed out: a miss, computed locally
+        finally:
+            redis.signal(signal.SIGCONT)
     finally:
         sched.close()
 
