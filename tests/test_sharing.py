@@ -115,8 +115,9 @@ def test_settings_of_the_remote_tier_are_checked(tmp_path: Path) -> None:
 
 
 def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., Store], tmp_path: Path) -> None:
-    """A prompt the local store lacks: the scheduler side answers vLLM "ask again later"
-    (None) while the remote tier is asked in the background, then the remote hit."""
+    """A prompt the local store lacks: a near server's answer comes at once (the remote hit);
+    with a slow one the scheduler answers vLLM "ask again later" (None) at once while the
+    tier is asked in the background, and a lookup that times out is a plain miss."""
     from types import SimpleNamespace
     from typing import Any
 
