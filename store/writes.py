@@ -246,9 +246,5 @@ class Writes:
                 out.bytes_before += e.stored_len
                 out.bytes_after += new.stored_bytes if new else 0
                 return "chunks"
-            with self.index.read() as t:
-                cur = t.entry(key)
-            if cur is not None and (cur.seg, cur.off, cur.tier) == (e.seg, e.off, e.tier):
-                return "skipped"  # unchanged: the target had no room (counted there); trying again would not help
         return "skipped"
 
