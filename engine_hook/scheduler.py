@@ -131,12 +131,6 @@ class LMCtlConnectorScheduler:
             if tiers is None:
                 return None  # asked; vLLM asks again next step
             found.tiers = tiers
-            hit = 0
-            for t in tiers:
-                if t is None:
-                    break
-                hit += 1
-            found.hit_tokens = hit * found.chunk_size
         bs = self.ctx.block_size
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0

@@ -88,14 +88,7 @@ class Reads:
 
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
         keys = ns.chunk_keys(tokens)
-        tiers = self.locate(keys)
-        hit = 0
-        for tier in tiers:
-            if tier is None:
-                break
-            hit += 1
-        size = ns.kv_format.chunk_size
-        return LookupResult(len(tokens), hit * size, size, keys, tiers)
+        return LookupResult(len(tokens), ns.kv_format.chunk_size, keys, self.locate(keys))
 
     def coldest(self, tier: int, before: float, codec: int, limit: int) -> list[bytes]:
         """Up to ``limit`` chunks of ``tier`` in codec ``codec`` last read before ``before``,

@@ -449,12 +449,6 @@ class Store:
         sharing = self._sharing
         if remote and sharing is not None and found.hit_chunks < len(found.keys):
             found.tiers = sharing.locate(found.keys, found.tiers)
-            hit = 0
-            for t in found.tiers:
-                if t is None:
-                    break
-                hit += 1
-            found.hit_tokens = hit * found.chunk_size
         return found
 
     def get(self, key: bytes, touch: bool = True) -> Chunk | None:

@@ -57,17 +57,26 @@ class ChunkInfo:
 @dataclass
 class LookupResult:
     """The longest stored prefix of a token sequence: ``hit_tokens`` of ``total_tokens``,
-    with every chunk's key and the tier that holds it (None from the first miss on)."""
+    with every chunk's key and the tier that holds it (None where it is not stored)."""
 
     total_tokens: int
-    hit_tokens: int
     chunk_size: int
     keys: list[bytes]
     tiers: list[str | None]
 
     @property
     def hit_chunks(self) -> int:
-        return self.hit_tokens // self.chunk_size if self.chunk_size else 0
+        """The leading chunks that are stored (up to the first miss)."""
+        n = 0
+        for tier in self.tiers:
+            if tier is None:
+                break
+            n += 1
+        return n
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_chunks * self.chunk_size
 
 
 @dataclass

@@ -63,6 +63,19 @@ def saved_chunks(worker: LMCtlConnectorWorker, caches: dict[str, torch.Tensor]) 
     return keys
 
 
+def hold_store_reads(worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the worker's store reads wait until the returned event is set (a slow tier)."""
+    gate = threading.Event()
+    real = worker.store.get_into
+
+    def held(*args: Any) -> Any:
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(worker.store, "get_into", held)
+    return gate
+
+
 def finish(worker: LMCtlConnectorWorker, req_id: str) -> None:
     """Wait for the worker's loads, as the engine does by polling get_finished each step."""
     assert worker.wait_loads(30)
@@ -135,14 +148,7 @@ def test_loads_run_beside_the_step_loop_and_never_wait_for_saves(
     caches = kv_caches()
     worker.register_kv_caches(caches)
     keys = saved_chunks(worker, caches)
-    gate = threading.Event()
-    real = worker.store.get_into
-
-    def slow(*args: Any) -> Any:
-        assert gate.wait(30)
-        return real(*args)
-
-    monkeypatch.setattr(worker.store, "get_into", slow)
+    gate = hold_store_reads(worker, monkeypatch)
     t0 = time.monotonic()
     worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
     assert time.monotonic() - t0 < 1.0
@@ -341,14 +347,7 @@ def test_an_idle_step_waits_for_a_load_instead_of_spinning(
     caches = kv_caches()
     worker.register_kv_caches(caches)
     keys = saved_chunks(worker, caches)
-    gate = threading.Event()
-    real = worker.store.get_into
-
-    def gated(*args: Any) -> Any:
-        assert gate.wait(30)
-        return real(*args)
-
-    monkeypatch.setattr(worker.store, "get_into", gated)
+    gate = hold_store_reads(worker, monkeypatch)
     worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
     t0 = time.monotonic()
     assert worker.take_finished(0.05) == set()  # bounded: nothing finished within the wait
