@@ -110,20 +110,12 @@ class Sharing:
                      stored_of: Callable[[bytes, Any], Buffer | None]) -> int:
         """Put chunks that eviction is about to drop locally (``write = "evict"``): their
         stored bytes as they are, verified on the way out. How many the server took."""
-        from .remote import RemoteMeta
-
-        n = 0
+        chunks: list[Stored] = []
         for key, e in victims:
             data = stored_of(key, e)
-            if data is None:
-                continue
-            try:
-                meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
-                                  tokens=e.tokens, checksum=e.checksum)
-                n += self.tier.put(key, data, meta)
-            except StoreError as exc:
-                log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
-        return n
+            if data is not None:
+                chunks.append((key, data, e.raw_len, e.codec, e.level, e.layout, e.tokens, e.checksum))
+        return self.push(chunks)
 
     def move_here(self, keys: Sequence[bytes], read: Callable[[bytes], Any], evict: Callable[[list[bytes]], Any],
                   pinned: Callable[[bytes], int], progress: Callable[[int, int], None] | None,
