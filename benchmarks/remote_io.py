@@ -13,9 +13,9 @@ the same bytes) through each of:
 
   tier   ``RemoteTier.put`` of every chunk (one MULTI/EXEC pipeline of its pieces and its
          head; the xxh3 checksum given, as the store passes it from its index), then
-         ``RemoteTier.get_into`` of every chunk into a reused buffer (two round trips: the
-         head, then all pieces in one pipeline; each piece copied into the buffer, the whole
-         verified), ``piece_bytes`` = each of --pieces
+         ``RemoteTier.get_into`` of every chunk into a reused buffer (one round trip: the
+         head and the pieces in one pipeline; each piece received from the socket straight
+         into the buffer, the whole verified), ``piece_bytes`` = each of --pieces
   plain  redis-py on the same bytes: per chunk, one pipeline (no transaction) of SETs of the
          chunk cut into the same pieces, then per chunk one pipeline of GETs of them (the
          replies as redis-py returns them: no copy, no check); and, as a third pattern, the

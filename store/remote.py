@@ -33,26 +33,30 @@ never logged or shown (``repr``, messages and ``url`` use ``redacted(url)``).
 Layout (all keys of a chunk share the hash tag ``{<hex chunk key>}``, so in a cluster a chunk
 lives on one node and each of its operations is one node's round trip)::
 
-    <prefix>:{<hex key>}:h                  head record (below)
-    <prefix>:{<hex key>}:<generation>:<i>   piece i of the stored bytes, piece_bytes each (the last one shorter)
+    <prefix>:{<hex key>}:h      head record (below)
+    <prefix>:{<hex key>}:<i>    piece i of the stored bytes, piece_bytes each (the last one shorter)
 
 The head packs (little-endian) magic ``LMRC``, version, codec id, codec level, stored length,
-raw length, xxh3-64 of the stored bytes, piece size, piece count, a random 8-byte generation
-id, token count, write time, then the chunk key, the layout JSON and an xxh3-64 of the head
-itself. A put reads the old head, writes the pieces and then the new head in one MULTI/EXEC
-transaction sent as one pipeline (one round trip): a chunk appears whole or not at all, and an
-OOM refusal of any piece aborts all of it, so a full server keeps no partial chunks. The pieces
-of the generation it replaced are then deleted.
+raw length, xxh3-64 of the stored bytes, piece size, piece count, token count, write time, then
+the chunk key, the layout JSON and an xxh3-64 of the head itself. A put reads the old head,
+writes the pieces and then the new head in one MULTI/EXEC transaction sent as one pipeline (one
+round trip): a chunk appears whole or not at all, and an OOM refusal of any piece aborts all of
+it, so a full server keeps no partial chunks. If the chunk it replaced had more pieces, the
+extra ones are then deleted.
 
-A read takes two round trips: the head, then all pieces of its generation in one pipeline.
-The head must be ours (magic, version, its own checksum, the same chunk key), every piece
-present and of the right length, and the bytes must match the head's length and checksum.
-Anything else is a miss, never wrong bytes, and is counted: ``foreign`` (not our format or
-version, or another key's head), ``evicted_discovered`` (the head is there but pieces are gone:
-the server's ``maxmemory`` policy evicted them, or someone deleted them), ``torn`` (a piece or
-the whole of the wrong length or checksum, a damaged head). A torn or evicted chunk is deleted
-from the server if its head is still the one that was read (WATCH), so that lookups stop
-finding it.
+A read is one round trip: the head and the pieces in one pipeline, as many pieces as the last
+chunk this tier read had (a chunk with more takes a second round trip for the rest; keys that do
+not exist cost the server next to nothing). On a single server the replies are read from the
+socket by ``store/resp.py``, each piece received straight into the caller's buffer; through a
+cluster client, redis-py's replies are copied. The head must be ours (magic, version, its own
+checksum, the same chunk key), every piece present and of the right length, and the bytes must
+match the head's length and checksum. Anything else is a miss, never wrong bytes, and is
+counted: ``foreign`` (not our format or version, or another key's head), ``evicted_discovered``
+(the head is there but pieces are gone: the server's ``maxmemory`` policy evicted them, or
+someone deleted them), ``torn`` (a piece or the whole of the wrong length or checksum, a damaged
+head). A put that lands between a read's head and its pieces makes that read a miss (the
+checksum fails), not a wrong answer. A torn or evicted chunk is deleted from the server if its
+head is still the one that was read (WATCH), so that lookups stop finding it.
 
 Deadlines and the circuit breaker: lookups (``contains_many``) run on connections whose socket
 timeouts are ``lookup_timeout_s``; puts, reads and deletes on connections with
@@ -68,8 +72,8 @@ counted as ``oom`` and pauses puts for ``oom_pause_s`` (they return False, count
 
 Remote space is the server's: lmctl never assumes a chunk it wrote is still there, and a put
 with ``ttl_s`` lets the server expire chunks on its own. A writer killed between a put's commit
-and the deletion of the generation it replaced leaves that generation's pieces behind with no
-head; with an eviction policy or ``ttl_s`` the server reclaims them.
+and the deletion of the extra pieces of the chunk it replaced leaves those behind; with an
+eviction policy or ``ttl_s`` the server reclaims them.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ from redis.retry import Retry
 
 from .codec import CODEC_IDS, CODEC_NAMES
 from .errors import StoreError
+from .resp import ReplyReader, pack_gets
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -113,12 +118,13 @@ MAX_STORED = 1 << 34
 MAX_PIECE_BYTES = 512 * MiB
 
 HEAD_MAGIC = b"LMRC"
-HEAD_VERSION = 1
-# magic, version, codec, level, stored_len, raw_len, checksum, piece_bytes, piece_count, generation,
+HEAD_VERSION = 2
+# magic, version, codec, level, stored_len, raw_len, checksum, piece_bytes, piece_count,
 # tokens, written, key_len, layout_len; then key, layout JSON, xxh3-64 of everything before it
-_HEAD = struct.Struct("<4sHBhQQQII8sIdHI")
+_HEAD = struct.Struct("<4sHBhQQQIIIdHI")
 _U64 = struct.Struct("<Q")
-GENERATION_BYTES = 8
+#: a read asks for at most this many pieces before it knows the chunk's piece count
+MAX_GUESS = 64
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,100}")
 _SECRET_QUERY_KEYS = {"password", "pass", "passwd", "auth", "ssl_password", "token", "secret"}
@@ -159,7 +165,7 @@ class RemoteMeta:
     For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/codec.py) and its
     ``level``, ``layout`` and ``tokens``; ``checksum`` (xxh3-64 of the stored bytes, as the
     store's index keeps it) is computed when None. The rest is filled in by the tier:
-    ``stored_len``, ``written`` (Unix time of the put), ``generation`` (hex), ``piece_bytes``.
+    ``stored_len``, ``written`` (Unix time of the put), ``piece_bytes``.
     """
 
     raw_len: int
@@ -170,7 +176,6 @@ class RemoteMeta:
     checksum: int | None = None
     stored_len: int | None = None
     written: float | None = None
-    generation: str | None = None
     piece_bytes: int | None = None
 
 
@@ -292,15 +297,54 @@ class _Head:
     stored_len: int
     piece_bytes: int
     piece_count: int
-    generation: str
+
+
+@dataclass
+class _Read:
+    """What one read found: ``kind`` is ``reading`` while the pieces arrive, then ``ok``, or
+    what made it a miss (``absent``, ``foreign``, ``torn-head``, ``too_small``, ``missing``
+    pieces, ``torn`` pieces)."""
+
+    kind: str
+    problem: str | None
+    head_raw: bytes | None = None
+    head: _Head | None = None
+    dst: memoryview | None = None
+    hasher: Any = None
+    missing: int = 0
+
+    def piece_len(self, i: int) -> int:
+        assert self.head is not None
+        return min(self.head.piece_bytes, self.head.stored_len - i * self.head.piece_bytes)
+
+    def slot(self, i: int) -> memoryview:
+        assert self.head is not None and self.dst is not None
+        pos = i * self.head.piece_bytes
+        return self.dst[pos:pos + self.piece_len(i)]
+
+    def fail(self, problem: str) -> None:
+        if self.kind == "reading":
+            self.kind, self.problem = "torn", problem
+
+    def finish(self) -> _Read:
+        """The verdict once every piece has been received."""
+        if self.kind == "reading" and self.head is not None:
+            if self.missing:
+                self.kind, self.problem = "missing", f"{self.missing} of {self.head.piece_count} pieces are gone"
+            elif self.hasher.intdigest() != self.head.checksum:
+                self.kind, self.problem = "torn", "checksum mismatch"
+            else:
+                self.kind = "ok"
+        self.dst = None  # the caller's buffer is not kept
+        return self
 
 
 def _pack_head(key: bytes, meta: RemoteMeta, stored_len: int, checksum: int, piece_bytes: int,
-               generation: bytes, written: float) -> bytes:
+               written: float) -> bytes:
     layout = json.dumps(meta.layout, separators=(",", ":"), sort_keys=True).encode()
     count = -(-stored_len // piece_bytes)
     body = _HEAD.pack(HEAD_MAGIC, HEAD_VERSION, CODEC_IDS[meta.codec], meta.level, stored_len, meta.raw_len,
-                      checksum, piece_bytes, count, generation, meta.tokens, written, len(key),
+                      checksum, piece_bytes, count, meta.tokens, written, len(key),
                       len(layout)) + key + layout
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -309,7 +353,7 @@ def _unpack_head(raw: bytes, key: bytes) -> _Head:
     """Parse a head; ``_Foreign`` if it is not ours, ``_Torn`` if it is damaged."""
     if len(raw) < _HEAD.size + _U64.size or raw[:4] != HEAD_MAGIC:
         raise _Foreign("not an lmctl remote head")
-    (_m, version, codec, level, stored_len, raw_len, checksum, piece_bytes, count, gen, tokens, written,
+    (_m, version, codec, level, stored_len, raw_len, checksum, piece_bytes, count, tokens, written,
      key_len, layout_len) = _HEAD.unpack_from(raw, 0)
     if version != HEAD_VERSION:
         raise _Foreign(f"head of format version {version}, this lmctl reads {HEAD_VERSION}")
@@ -327,11 +371,9 @@ def _unpack_head(raw: bytes, key: bytes) -> _Head:
         raise _Foreign("the head's layout is not JSON") from None
     if not isinstance(layout, dict):
         raise _Foreign("the head's layout is not a JSON object")
-    generation = gen.hex()
     meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[codec], level=level, layout=layout, tokens=tokens,
-                      checksum=checksum, stored_len=stored_len, written=written, generation=generation,
-                      piece_bytes=piece_bytes)
-    return _Head(meta, checksum, stored_len, piece_bytes, count, generation)
+                      checksum=checksum, stored_len=stored_len, written=written, piece_bytes=piece_bytes)
+    return _Head(meta, checksum, stored_len, piece_bytes, count)
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -388,6 +430,9 @@ class RemoteTier:
         self._writes_paused_until = 0.0
         self._last_warn: dict[str, float] = {}
         self._closed = False
+        self._pieces_hint = 1  # the piece count of the last chunk read: how many pieces a read asks for
+        #: reads receive pieces straight into the caller's buffer (single server; see _read_direct)
+        self.direct_reads = not self.cluster
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r}, key_prefix={self.key_prefix!r}, cluster={self.cluster})"
@@ -476,10 +521,10 @@ class RemoteTier:
         """The Redis key of a chunk's head record (for operators and tests)."""
         return self._tag(key) + ":h"
 
-    def piece_keys(self, key: bytes, generation: str, count: int) -> list[str]:
-        """The Redis keys of a chunk's pieces of one generation."""
+    def piece_keys(self, key: bytes, count: int, first: int = 0) -> list[str]:
+        """The Redis keys of a chunk's pieces ``first`` .. ``count - 1``."""
         tag = self._tag(key)
-        return [f"{tag}:{generation}:{i}" for i in range(count)]
+        return [f"{tag}:{i}" for i in range(first, count)]
 
     # -- bookkeeping -------------------------------------------------------------------
     def _count(self, **deltas: int) -> None:
@@ -556,9 +601,9 @@ class RemoteTier:
             self._count(short_circuited=1, put_failures=1)
             return False
         checksum = xxhash.xxh3_64_intdigest(data) if meta.checksum is None else meta.checksum
-        gen = os.urandom(GENERATION_BYTES)
-        head = _pack_head(bytes(key), meta, n, checksum, self.piece_bytes, gen, time.time())
-        pieces = self.piece_keys(key, gen.hex(), -(-n // self.piece_bytes))
+        head = _pack_head(bytes(key), meta, n, checksum, self.piece_bytes, time.time())
+        count = -(-n // self.piece_bytes)
+        pieces = self.piece_keys(key, count)
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
 
         def write(client: Any) -> Any:
@@ -579,17 +624,19 @@ class RemoteTier:
             return False
         self._count(puts=1, bytes_out=n)
         if isinstance(old, bytes) and old != head:
-            self._forget_generation(key, old, gen.hex())
+            self._forget_pieces(key, old, count)
         return True
 
-    def _forget_generation(self, key: bytes, old_head: bytes, new_gen: str) -> None:
-        """Delete the pieces of the generation a put replaced (best effort)."""
+    def _forget_pieces(self, key: bytes, old_head: bytes, count: int) -> None:
+        """Delete the pieces of the chunk a put replaced that the new one does not overwrite
+        (the old one had more of them; best effort)."""
         try:
             old = _unpack_head(old_head, bytes(key))
         except (_Foreign, _Torn):
             return
-        if old.generation != new_gen and old.piece_count:
-            self._call("delete", False, lambda c: c.delete(*self.piece_keys(key, old.generation, old.piece_count)))
+        if old.piece_count > count:
+            stale = self.piece_keys(key, old.piece_count, count)
+            self._call("delete", False, lambda c: _delete_each(c, stale))
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove chunks (head and pieces); how many were there. Failures are counted (0)."""
@@ -613,7 +660,7 @@ class RemoteTier:
                     old = _unpack_head(raw, bytes(k))
                 except (_Foreign, _Torn):
                     continue
-                for pk in self.piece_keys(k, old.generation, old.piece_count):
+                for pk in self.piece_keys(k, old.piece_count):
                     pipe.delete(pk)  # one key per DEL: a cluster pipeline refuses multi-key commands
             if len(pipe):
                 pipe.execute(raise_on_error=False)
@@ -660,84 +707,164 @@ class RemoteTier:
         foreign, torn, evicted pieces, an error, the breaker open). ``out`` is a writable
         buffer, or a function that is given the metadata once the head is read and returns
         one (so the caller can size it); a buffer smaller than the chunk is a miss
-        (``too_small``). On a miss ``out`` may hold partial bytes."""
+        (``too_small``). On a miss ``out`` may hold partial bytes.
+
+        One round trip: the head and as many pieces as the last chunk read had, in one
+        pipeline (a second round trip fetches the rest when this chunk has more). On a single
+        server the pieces are received straight into ``out``; through a cluster client they
+        are copied from redis-py's replies."""
         if not callable(out) and memoryview(out).readonly:
             raise TypeError("get_into needs a writable buffer")
-        head_key = self.head_key(key)
         bkey = bytes(key)
-        ok, raw = self._call("read", False, lambda c: _get_string(c, head_key))
-        if not ok or raw is None:
+        guess = self._pieces_hint
+        read = self._read_direct if self.direct_reads else self._read_pipelined
+        ok, got = self._call("read", False, lambda c: read(c, bkey, out, guess))
+        if not ok:
             self._count(misses=1)
             return None
+        r: _Read = got
+        if r.head is not None:
+            self._pieces_hint = max(1, min(r.head.piece_count, MAX_GUESS))
+        if r.problem is None and r.head is not None:
+            self._count(hits=1, bytes_in=r.head.stored_len)
+            return r.head.meta
+        self._count(misses=1)
+        if r.kind == "absent":
+            return None
+        if r.kind == "foreign":
+            self._count(foreign=1)
+            self._warn("foreign", "chunk %s: the value at %s is foreign (%s); a miss", bkey.hex()[:16],
+                       self.head_key(key), r.problem)
+        elif r.kind == "torn-head":
+            self._count(torn=1)
+            self._warn("torn", "chunk %s is torn (%s); a miss, dropped", bkey.hex()[:16], r.problem)
+            self._drop_if_unchanged(key, r.head_raw or b"", [])
+        elif r.kind == "too_small":
+            self._count(too_small=1)
+            self._warn("too_small", "chunk %s: %s; a miss", bkey.hex()[:16], r.problem)
+        elif r.head is not None:
+            pieces = self.piece_keys(key, r.head.piece_count)
+            if self._drop_if_unchanged(key, r.head_raw or b"", pieces) is not False:
+                # still the head we read (or we could not tell): its pieces really are gone or
+                # wrong, not replaced by a writer while we read
+                self._count(**{"evicted_discovered" if r.kind == "missing" else "torn": 1})
+                self._warn("evicted" if r.kind == "missing" else "torn", "chunk %s: %s; a miss, dropped",
+                           bkey.hex()[:16], r.problem)
+        return None
+
+    def _open_head(self, key: bytes, raw: bytes | rx.ResponseError | None,
+                   out: Buffer | Callable[[RemoteMeta], Buffer]) -> _Read:
+        """Parse a head read from the server and get the buffer for the chunk: a ``_Read``
+        that says what is wrong, or one with ``dst`` set."""
+        if raw is None:
+            return _Read("absent", "no such chunk")
+        if isinstance(raw, Exception):
+            return _Read("foreign", f"not a string value ({raw})")
         try:
-            if isinstance(raw, Exception):
-                raise _Foreign(f"not a string value ({raw})")
-            head = _unpack_head(raw, bkey)
+            head = _unpack_head(raw, key)
         except _Foreign as exc:
-            self._count(misses=1, foreign=1)
-            self._warn("foreign", "chunk %s: the value at %s is foreign (%s); a miss", bkey.hex()[:16], head_key, exc)
-            return None
+            return _Read("foreign", str(exc), raw)
         except _Torn as exc:
-            self._count(misses=1, torn=1)
-            self._warn("torn", "chunk %s is torn (%s); a miss, dropped", bkey.hex()[:16], exc)
-            self._drop_if_unchanged(key, raw, [])
-            return None
+            return _Read("torn-head", str(exc), raw)
         dst = memoryview(out(head.meta) if callable(out) else out).cast("B")
         if dst.readonly:
             raise TypeError("get_into needs a writable buffer")
         if len(dst) < head.stored_len:
-            self._count(misses=1, too_small=1)
-            self._warn("too_small", "chunk %s holds %d stored bytes, the buffer only %d; a miss", bkey.hex()[:16],
-                       head.stored_len, len(dst))
-            return None
-        pieces = self.piece_keys(key, head.generation, head.piece_count)
+            return _Read("too_small", f"it holds {head.stored_len} stored bytes, the buffer only {len(dst)}", raw,
+                         head)
+        return _Read("reading", None, raw, head, dst[:head.stored_len], xxhash.xxh3_64())
 
-        def read(client: Any) -> list[Any]:
+    def _read_direct(self, client: Any, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer],
+                     guess: int) -> _Read:
+        """The read on a single server: the pipeline is sent on a connection of redis-py's
+        pool and its replies are read with ``ReplyReader``, pieces straight into the buffer
+        (RESP2 and RESP3 answer GET alike). A connection left in an unknown state (an error,
+        a timeout, a push message among the replies) is closed."""
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            sock = conn._get_socket()
+            if sock is None or getattr(pool, "cache", None) is not None:
+                # not connected, or a client-side cache (whose invalidations arrive as push
+                # messages between replies): redis-py's way
+                pool.release(conn)
+                conn = None
+                return self._read_pipelined(client, key, out, guess)
+            names = [self.head_key(key), *self.piece_keys(key, guess)]
+            conn.send_packed_command([pack_gets(names)], check_health=False)
+            rd = ReplyReader(sock)
+            n = rd.header()
+            r = self._open_head(key, rd.read_bytes(n) if isinstance(n, int) else n, out)
+            self._receive(rd, r, 0, guess)
+            if r.kind == "reading" and r.head is not None and r.head.piece_count > guess:
+                count = r.head.piece_count
+                conn.send_packed_command([pack_gets(self.piece_keys(key, count, guess))], check_health=False)
+                self._receive(rd, r, guess, count)
+            return r.finish()
+        except BaseException:
+            if conn is not None:
+                conn.disconnect()
+            raise
+        finally:
+            if conn is not None:
+                pool.release(conn)
+
+    @staticmethod
+    def _receive(rd: ReplyReader, r: _Read, first: int, end: int) -> None:
+        """Read the replies for pieces ``first`` .. ``end - 1`` into ``r`` (every reply is
+        consumed, whatever ``r`` has found wrong)."""
+        for i in range(first, end):
+            n = rd.header()
+            if r.kind != "reading" or r.head is None or i >= r.head.piece_count:
+                if isinstance(n, int):
+                    rd.skip(n)
+                continue
+            want = r.piece_len(i)
+            if n is None:
+                r.missing += 1
+            elif isinstance(n, Exception):
+                r.fail(f"piece {i} is not a string ({n})")
+            elif n != want:
+                r.fail(f"piece {i} has {n} bytes, not {want}")
+                rd.skip(n)
+            else:
+                view = r.slot(i)
+                rd.read_into(view)
+                r.hasher.update(view)
+
+    def _read_pipelined(self, client: Any, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer],
+                        guess: int) -> _Read:
+        """The read through redis-py's pipelines (a cluster, or RESP3): the replies come as
+        ``bytes``, copied into the buffer."""
+
+        def gets(names: list[str]) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for pk in pieces:
-                pipe.get(pk)
+            for name in names:
+                pipe.get(name)
             return list(pipe.execute(raise_on_error=False))
 
-        if pieces:
-            ok, got = self._call("read", False, read)
-            if not ok:
-                self._count(misses=1)
-                return None
-        else:
-            got = []
-        problem, missing = self._assemble(got, head, dst)
-        if problem is None:
-            self._count(hits=1, bytes_in=head.stored_len)
-            return head.meta
-        self._count(misses=1)
-        if self._drop_if_unchanged(key, raw, pieces) is not False:
-            # still the head we read (or we could not tell): its pieces really are gone or wrong,
-            # not replaced by a writer between our two round trips
-            self._count(**{"evicted_discovered" if missing else "torn": 1})
-            self._warn("evicted" if missing else "torn", "chunk %s: %s; a miss, dropped", bkey.hex()[:16], problem)
-        return None
-
-    def _assemble(self, got: list[Any], head: _Head, dst: memoryview) -> tuple[str | None, bool]:
-        """Copy the pieces into ``dst`` and verify them: (what is wrong or None, pieces missing)."""
-        hasher = xxhash.xxh3_64()
-        pos = 0
-        missing = sum(1 for p in got if p is None)
-        if missing:
-            return f"{missing} of {head.piece_count} pieces are gone", True
-        for i, piece in enumerate(got):
-            want = min(head.piece_bytes, head.stored_len - pos)
-            if not isinstance(piece, bytes):
-                return f"piece {i} is not a string ({piece!r})", False
-            if len(piece) != want:
-                return f"piece {i} has {len(piece)} bytes, not {want}", False
-            dst[pos:pos + want] = piece
-            hasher.update(piece)
-            pos += want
-        if pos != head.stored_len:
-            return f"the pieces hold {pos} bytes, the head says {head.stored_len}", False
-        if hasher.intdigest() != head.checksum:
-            return "checksum mismatch", False
-        return None, False
+        replies = gets([self.head_key(key), *self.piece_keys(key, guess)])
+        head = replies[0]
+        if isinstance(head, Exception) and not str(head).startswith("WRONGTYPE"):
+            raise head
+        r = self._open_head(key, head, out)
+        if r.kind == "reading" and r.head is not None:
+            count = r.head.piece_count
+            pieces = replies[1:1 + count]
+            if count > guess:
+                pieces += gets(self.piece_keys(key, count, guess))
+            for i, piece in enumerate(pieces):
+                want = r.piece_len(i)
+                if piece is None:
+                    r.missing += 1
+                elif not isinstance(piece, bytes):
+                    r.fail(f"piece {i} is not a string ({piece!r})")
+                elif len(piece) != want:
+                    r.fail(f"piece {i} has {len(piece)} bytes, not {want}")
+                elif r.kind == "reading":
+                    r.slot(i)[:] = piece
+                    r.hasher.update(piece)
+        return r.finish()
 
     def _drop_if_unchanged(self, key: bytes, head_raw: bytes, pieces: list[str]) -> bool | None:
         """Delete a broken chunk if its head is still ``head_raw`` (a writer may have replaced
@@ -762,15 +889,13 @@ class RemoteTier:
         return bool(dropped) if ok else None
 
 
-def _get_string(client: Any, name: str) -> bytes | rx.ResponseError | None:
-    """GET, with a value of another type (WRONGTYPE) returned as its error instead of raised:
-    that is foreign data, not a failing server."""
-    try:
-        return client.get(name)  # type: ignore[no-any-return]
-    except rx.ResponseError as exc:
-        if str(exc).startswith("WRONGTYPE"):
-            return exc
-        raise
+def _delete_each(client: Any, names: list[str]) -> None:
+    """DEL each name, in one pipeline (one key per DEL: a cluster pipeline refuses multi-key
+    commands)."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute(raise_on_error=False)
 
 
 def _read_password(path: Path) -> str:
