@@ -262,6 +262,11 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
     k = r["store"]["counters"]
     c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "
             f"write amplification {r['store']['write_amplification']:.4f}")
+    rm = r["store"].get("remote")
+    if rm:
+        c.print(f"remote {rm['url']} (prefix {rm['key_prefix']}, write {rm['write']}): breaker {rm['breaker']}  "
+                f"puts {rm['puts']}  hits {rm['hits']}  misses {rm['misses']}  errors {rm['errors']}  "
+                f"evicted found {rm['evicted_discovered']}  (this daemon's calls)")
     for j in r["jobs"]:
         c.print(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
 

@@ -296,6 +296,11 @@ def test_export_on_one_host_warm_on_another_from_the_remote_tier(tmp_path: Path,
         assert json.loads(Path(again).read_text()) == json.loads(Path(manifest).read_text())
         # warming again moves nothing
         assert ok(b, "warm", "--manifest", manifest, "--cache-salt", "s3")["already"] == 5
+        # status names the remote tier and what this daemon's calls to it did
+        st = ok(b, "status")["store"]["remote"]
+        assert (st["key_prefix"], st["hits"], st["errors"], st["breaker"]) == ("test", 5, 0, "closed")
+        text = lmctl(b, "status").stdout
+        assert f"remote {st['url']} (prefix test, write always): breaker closed  puts 0  hits 5" in text
     finally:
         assert a.stop() == 0
         assert b.stop() == 0
