@@ -137,6 +137,7 @@ class LMCtlConnectorScheduler:
         st = _Req(ns, found.keys, [t is not None for t in found.tiers])
         self._reqs[request.request_id] = st
         self.lookups += 1
+        self.store.count_lookup(ns, min(found.hit_tokens, len(prompt)), len(prompt))
         if end <= num_computed_tokens:
             return 0
         cs = self.ctx.kv_format.chunk_size

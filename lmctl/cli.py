@@ -13,6 +13,7 @@ only, so ``lmctl --help`` starts fast.
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -24,7 +25,7 @@ from . import __version__, completion
 from .manifest import export, warm_manifest
 from .prefill import prefill
 from .selectors import contradicting_flags, with_selectors
-from .terminal import CommandError, ExitStatus, Terminal
+from .terminal import CommandError, ExitStatus, Terminal, human
 
 #: how a command shows its result to a person (under ``--json`` the result is printed as is)
 Show = Callable[[Terminal, dict[str, Any]], None]
@@ -150,14 +151,6 @@ def chunk_id(key_hex: str) -> str:
     return key_hex[32:48] + "…"
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change; change nothing")]
 
 
@@ -206,6 +199,8 @@ def serve(
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="any store setting, KEY=VALUE (see lmctl config show); repeatable")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [default: info]")] = None,
+    metrics: Annotated[str | None, typer.Option(
+        metavar="[ADDR:]PORT", help="serve Prometheus metrics over HTTP here (a bare port: loopback only)")] = None,
 ) -> None:
     """Run the daemon in the foreground (logs to stderr; SIGTERM or Ctrl-C stops it)."""
     import logging
@@ -239,8 +234,9 @@ def serve(
                                       socket_group or daemon.get("socket_group"))
             logging.basicConfig(stream=term.err, level=getattr(logging, level),
                                 format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
+            listen = metrics or daemon.get("metrics")
             clean = Daemon(store_dir, sock, uids, float(interval), socket_mode=mode, socket_group=gid, init=init,
-                           settings=changes).serve()
+                           settings=changes, metrics=None if listen is None else str(listen)).serve()
         raise typer.Exit(ExitStatus.OK if clean else ExitStatus.ERROR)
 
     term.run(body)
@@ -490,6 +486,33 @@ def _show_verify(term: Terminal, r: dict[str, Any]) -> None:
     # what --deep found (bad payloads) only a deep pass can fix
     again = "lmctl verify --deep --fix" if r["deep"] else "lmctl verify --fix"
     term.echo("ok" if not left else f"{left} problem(s) left; run {again}")
+
+
+@app.command()
+def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
+            help="seconds between refreshes")] = 1.0,
+        iterations: Annotated[int | None, typer.Option(
+            help="stop after this many frames [default: until q on a terminal, else 1]")] = None) -> None:
+    """Live view: hit rate, bytes in and out per tier, remote tier, jobs; q quits."""
+    term = Terminal.of(ctx)
+
+    def body() -> None:
+        if not 0.1 <= interval <= 3600:
+            raise CommandError("usage", f"--interval must be between 0.1 and 3600 seconds, not {interval}")
+        if iterations is not None and iterations < 0:
+            raise CommandError("usage", f"--iterations must be 0 (no limit) or more, not {iterations}")
+        from .top import rates, run
+
+        if term.json:  # one snapshot of what the view shows, rates over one interval
+            first = term.call("metrics")
+            time.sleep(interval)
+            term.echo(json.dumps(rates(first, term.call("metrics"))))
+            return
+        live = term.is_tty if term.is_tty is not None else term.out.isatty()
+        n = iterations if iterations is not None else (0 if live else 1)
+        run(lambda: term.call("metrics"), term.console(), interval, n, live)
+
+    term.run(body)
 
 
 @app.command()

@@ -279,7 +279,7 @@ class SocketUnreachable(StoreError):
 class Daemon:
     def __init__(self, store_dir: str, socket_path: str | None = None, allow_uids: Iterable[int] = (),
                  maintenance_s: float = 30.0, socket_mode: int = 0o600, socket_group: int | None = None, *,
-                 init: bool = True, settings: dict[str, Any] | None = None) -> None:
+                 init: bool = True, settings: dict[str, Any] | None = None, metrics: str | None = None) -> None:
         self.store_dir = os.path.abspath(store_dir)
         self.socket_path = os.path.abspath(socket_path or os.path.join(self.store_dir, "lmctl.sock"))
         self.allow = {os.getuid(), *allow_uids}
@@ -290,6 +290,11 @@ class Daemon:
         self.maintenance_s = maintenance_s
         self.init = init
         self.settings = dict(settings or {})
+        self.metrics = metrics
+        if metrics is not None:
+            from .metrics import parse_listen
+
+            parse_listen(metrics)  # a bad address is a usage error before anything starts
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._lockfd: int | None = None
@@ -399,9 +404,17 @@ class Daemon:
             raise
         store = self._open_store()
         self.state = DaemonState(store, self.socket_path)
+        exporter = None
         try:
+            if self.metrics is not None:
+                from .metrics import Exporter
+
+                exporter = Exporter(self.metrics, store, self._exporter_extra)
+                self.metrics_port = exporter.port
             listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)
         except BaseException:
+            if exporter is not None:
+                exporter.close()
             store.close()
             raise
         listener.settimeout(0.25)
@@ -439,6 +452,8 @@ class Daemon:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
+            if exporter is not None:
+                exporter.close()
             clean = self._drain([*threads, maint])
             if clean:
                 store.close()
@@ -565,9 +580,11 @@ class Daemon:
             return fail("usage", "a request needs 'cmd' (a string) and 'args' (an object)")
         if cmd == "status":
             return self._reply(conn, rid, self._status())
+        if cmd == "metrics":
+            return self._reply(conn, rid, self._metrics())
         op = OPS.get(cmd)
         if op is None:
-            return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'status']))}")
+            return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'metrics', 'status']))}")
         job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
         try:
             set_caller(_peer_uid(conn))
@@ -607,6 +624,20 @@ class Daemon:
                 "code": "failed", "message": f"{exc}; narrow the selection (e.g. ls --limit)"}})
         except OSError:
             pass
+
+    def _metrics(self) -> dict[str, Any]:
+        """``status`` and the store's metric cells (every process's counts; see lmctl top)."""
+        cells = [{"name": c.name, "labels": c.labels, "value": c.value, "count": c.count, "sum": c.sum}
+                 for c in self.state.store.metric_cells()]
+        return {"time": time.time(), "status": self._status(), "cells": cells}
+
+    def _exporter_extra(self) -> dict[str, Any]:
+        st = self.state
+        with st.lock:
+            jobs: dict[str, int] = {}
+            for j in st.jobs.values():
+                jobs[j.cmd] = jobs.get(j.cmd, 0) + 1
+        return {"jobs": jobs, "requests": st.requests, "errors": st.errors}
 
     def _status(self) -> dict[str, Any]:
         st = self.state

@@ -331,7 +331,7 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
 
 
 def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
-    from .cli import human
+    from .terminal import human
 
     rows = [[str(x["index"]), x["label"] or "-", x["document"], str(x["chunks"]), str(x["found"]), str(x["moved"]),
              str(x["fetched"]), str(x["prefilled"]), str(x["missing"]),

@@ -28,7 +28,8 @@ TIER_KEYS = ("capacity", "path", "pin_budget")
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                "password_file")
 #: daemon settings a config file may hold (not recorded in the store)
-DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group")
+DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group",
+               "metrics")
 
 def _duration(value: Any, name: str) -> float:
     """Seconds: a number (TOML) or a duration like ``"12h"``."""
@@ -210,6 +211,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
                              ("log_level", (str,), "debug, info, warning or error"),
                              ("socket_mode", (str,), 'an octal mode in quotes ("0660")'),
                              ("socket_group", (str, int), "a group name or gid"),
+                             ("metrics", (str, int), 'a port or "ADDR:PORT" for the Prometheus exporter'),
                              ("maintenance_interval", (int, float), "a number of seconds")):
         v = daemon.get(key)
         if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):

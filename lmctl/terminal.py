@@ -84,6 +84,15 @@ def classify(exc: BaseException) -> Failure:
     return Failure.of("failed", f"internal error: {type(exc).__name__}: {exc}")  # a bug: never a traceback
 
 
+def human(n: float) -> str:
+    """A byte count for people: 512 B, 1.5 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 @dataclass
 class Terminal:
     """Where a command's output goes and how it looks, and its connection to the daemon.

@@ -471,6 +471,10 @@ class Index:
             with self.transact() as t:
                 return fn(t)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if not self._closed and os.getpid() == self._pid:
             self.env.close()

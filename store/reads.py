@@ -31,6 +31,7 @@ from .index import (
     trailer_mismatch,
 )
 from .keys import DTYPE_SIZES, Namespace, short_key
+from .metrics import PREFIX, Cell, Meter, add_to_cells, parse_cells
 from .segment import CorruptRecord, SegmentGone
 from .space import TierState
 from .types import Chunk, ChunkInfo, LookupResult
@@ -65,6 +66,11 @@ class Reads:
         self._access: dict[bytes, tuple[float, int]] = {}
         self._counts = {"hits": 0, "misses": 0}
         self._last_flush = time.monotonic()
+        #: this process's pending metric deltas (store/metrics.py), written with the access log
+        self.meter = Meter()
+        self._timer: threading.Timer | None = None
+        #: called at the start of every flush (to add what others count, e.g. the remote tier's calls)
+        self.before_flush: list[Callable[[Meter], None]] = []
 
     # -- the index only ----------------------------------------------------------------
     def info(self, key: bytes) -> ChunkInfo | None:
@@ -247,13 +253,50 @@ class Reads:
         if due or len(self._access) > 10000:
             self.flush()
 
+    def flush_if_due(self) -> None:
+        """After a metric count made outside reads: flush when ``access_flush_s`` has passed
+        since the last flush, else make sure a timer flushes then (so the counts of a process
+        that goes quiet still arrive)."""
+        wait = self._config().access_flush_s - (time.monotonic() - self._last_flush)
+        if wait <= 0:
+            self.flush()
+            return
+        with self.lock:
+            if self._timer is not None:
+                return
+            self._timer = threading.Timer(wait, self._timed_flush)
+            self._timer.daemon = True
+        self._timer.start()
+
+    def _timed_flush(self) -> None:
+        with self.lock:
+            self._timer = None
+        try:
+            if not self.index.closed:
+                self.flush()
+        except Exception as exc:  # a closed or failing index: the counts wait for the next flush
+            log.debug("timed flush of the access log failed: %s", exc)
+
+    def cancel_timer(self) -> None:
+        with self.lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
     def flush(self) -> None:
-        """Write pending access times and hit/miss counts to the index."""
+        """Write pending access times, hit/miss counts and metric deltas to the index."""
+        for hook in list(self.before_flush):
+            try:
+                hook(self.meter)
+            except Exception:  # a metric source must never stop the access log
+                log.warning("collecting metrics before a flush failed", exc_info=True)
         with self.lock:
             pending, self._access = self._access, {}
             counts, self._counts = self._counts, {"hits": 0, "misses": 0}
             self._last_flush = time.monotonic()
-        if self.index.readonly or (not pending and not any(counts.values())):
+            metric_counts, metric_hists = self.meter.take()
+        if self.index.readonly or (not pending and not any(counts.values()) and not metric_counts
+                                   and not metric_hists):
             return
 
         def fn(t: Txn) -> None:
@@ -262,5 +305,24 @@ class Reads:
             for k, v in counts.items():
                 if v:
                     t.add(k, v)
+            meta = self.index.meta
+            add_to_cells(lambda k: t.raw.get(k, db=meta), lambda k, v: t.raw.put(k, v, db=meta),
+                         metric_counts, metric_hists)
 
-        self.index.write(fn)
+        try:
+            self.index.write(fn)
+        except BaseException:
+            self.meter.give_back(metric_counts, metric_hists)
+            raise
+
+    def metric_cells(self) -> list[Cell]:
+        """The stored metric totals (store/metrics.py), every process's flushed counts."""
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=self.index.meta)
+            items = []
+            if cur.set_range(PREFIX):
+                for k, v in cur:
+                    if not bytes(k).startswith(PREFIX):
+                        break
+                    items.append((bytes(k), bytes(v)))
+        return parse_cells(items)

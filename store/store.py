@@ -40,6 +40,7 @@ from .index import FORMAT_VERSION, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import Namespace, NamespaceRecord
+from .metrics import Cell, Meter
 from .namespaces import Namespaces
 from .pins import Pins
 from .private import make_private_dir, tighten
@@ -144,6 +145,8 @@ class Store:
                             threading.RLock())
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
         self._sharing: Sharing | None = None
+        self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
+        self._reads.before_flush.append(self._meter_remote)
         self._share(self.config)
         self._set_spill()
         self._promote_lock = threading.Lock()
@@ -194,6 +197,54 @@ class Store:
         self._sharing = Sharing(config.remote, lambda: self.codec, promote)
         if config.remote.write == "always":
             self._writes.on_stored = self._sharing.push
+
+    #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
+    _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
+        "calls": ("remote_calls_total", {}), "timeouts": ("remote_errors_total", {"kind": "timeout"}),
+        "oom": ("remote_errors_total", {"kind": "oom"}), "short_circuited": ("remote_short_circuited_total", {}),
+        "puts": ("remote_puts_total", {"result": "stored"}),
+        "put_failures": ("remote_puts_total", {"result": "failed"}),
+        "hits": ("remote_reads_total", {"result": "hit"}), "misses": ("remote_reads_total", {"result": "miss"}),
+        "lookups": ("remote_lookups_total", {}), "torn": ("remote_bad_values_total", {"kind": "torn"}),
+        "foreign": ("remote_bad_values_total", {"kind": "foreign"}),
+        "evicted_discovered": ("remote_bad_values_total", {"kind": "evicted"}),
+        "too_small": ("remote_bad_values_total", {"kind": "too_small"}),
+        "bytes_out": ("remote_bytes_total", {"direction": "out"}),
+        "bytes_in": ("remote_bytes_total", {"direction": "in"}),
+    }
+
+    def _meter_remote(self, meter: Meter) -> None:
+        """Add what the remote tier's counters did since the last flush to the metrics."""
+        sharing = self._sharing
+        if sharing is None:
+            return
+        now = sharing.tier.stats().to_dict()
+        seen = self._remote_seen
+        before = seen[1] if seen is not None and seen[0] is sharing.tier else {}
+        self._remote_seen = (sharing.tier, now)
+        for field, (cell, labels) in self._REMOTE_CELLS.items():
+            meter.inc(cell, now[field] - before.get(field, 0), **labels)
+        other = (now["errors"] - now["timeouts"] - now["oom"]) - (
+            before.get("errors", 0) - before.get("timeouts", 0) - before.get("oom", 0))
+        meter.inc("remote_errors_total", other, kind="other")
+
+    def count_lookup(self, ns: Namespace, hit_tokens: int, tokens: int) -> None:
+        """Count an engine's lookup of a prompt of ``tokens`` tokens that found ``hit_tokens``
+        cached, per model and adapter (metrics ``lookups_total``, ``lookup_hit_tokens_total``,
+        ``lookup_miss_tokens_total``)."""
+        m = self._reads.meter
+        who = {"model": ns.model, "adapter": "" if ns.adapter is None else ns.adapter.name}
+        m.inc("lookups_total", 1, **who)
+        m.inc("lookup_hit_tokens_total", hit_tokens, **who)
+        m.inc("lookup_miss_tokens_total", max(0, tokens - hit_tokens), **who)
+        self._reads.flush_if_due()
+
+    def metric_cells(self) -> list[Cell]:
+        """The metric totals of every process that used this store (store/metrics.py), with
+        this process's pending counts written first."""
+        if not self.readonly:
+            self.flush()
+        return self._reads.metric_cells()
 
     def _promote(self, key: bytes) -> None:
         """Move a chunk that was just read from nvme into dram (the default tier), in the
@@ -400,7 +451,18 @@ class Store:
         raised: a cache that cannot store simply misses later. ``DiskFullError`` when
         the disk itself is full (nothing of the batch is stored).
         """
-        return self._writes.put_many(items, tier, level=level)
+        t0 = time.perf_counter()
+        stored = self._writes.put_many(items, tier, level=level)
+        n = sum(stored)
+        if n:
+            m = self._reads.meter
+            where = tier or self.config.default_tier
+            m.inc("saves_total", n, tier=where)
+            m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
+                                          if ok), tier=where)
+            m.observe("save_seconds", time.perf_counter() - t0, tier=where)
+            self._reads.flush_if_due()
+        return stored
 
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
                 level: int | None = None, progress: Callable[[int, int], None] | None = None,
@@ -474,6 +536,7 @@ class Store:
         removed from the index and counted as corrupt. A chunk only the remote tier holds is
         read from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
         """
+        t0 = time.perf_counter()
         info = self._reads.get_into(key, out, touch)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
@@ -481,6 +544,11 @@ class Store:
         if info is None and sharing is not None and touch:
             got = sharing.fetch_into(key, memoryview(out).cast("B"))
             info = None if got is None else got[0]
+        if info is not None and touch:
+            m = self._reads.meter
+            m.inc("loads_total", 1, tier=info.tier)
+            m.inc("load_bytes_total", info.raw_bytes, tier=info.tier)
+            m.observe("load_seconds", time.perf_counter() - t0, tier=info.tier)
         return info
 
     def flush(self) -> None:
@@ -637,6 +705,7 @@ class Store:
                     self._closed = True  # no new promotions
                 if promoter is not None:
                     promoter.shutdown(wait=True, cancel_futures=True)
+                self._reads.cancel_timer()
                 try:
                     self.flush()
                 except StoreError:

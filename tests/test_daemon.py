@@ -413,7 +413,8 @@ def test_background_maintenance_trims_an_overfull_tier(tmp_path: Path) -> None:
 # -- the CLI process itself ------------------------------------------------------------------
 def test_cli_never_imports_torch_or_vllm() -> None:
     code = ("import sys, lmctl, lmctl.cli, lmctl.client, lmctl.protocol; "
-            "print([m for m in ('torch', 'vllm', 'numpy', 'transformers', 'store') if m in sys.modules])")
+            "print([m for m in ('torch', 'vllm', 'numpy', 'transformers', 'store', 'prometheus_client') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_path())
     assert out.stdout.strip() == "[]", out.stderr
     r = cli(None, "--help")
