@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -29,8 +30,6 @@ VOCAB = 1024
 
 
 def prompt(seed: int, n: int) -> list[int]:
-    import random
-
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
