@@ -2,8 +2,9 @@
 engine-agnostic API (``engine_hook.api``).
 
 Importing this package imports neither torch nor vllm. Of its modules, ``vllm`` (the
-connector), ``worker``, ``transfer`` and ``api`` import torch, and only ``vllm`` imports
-vllm at import time; the scheduler side and the bookkeeping modules import neither.
+connector), ``worker``, ``transfer`` and ``api`` import torch, and only ``vllm`` and
+``metrics`` (its figures in vLLM's metrics) import vllm at import time; the scheduler side
+and the bookkeeping modules (``stats`` included) import neither.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_sha
 from .identity import AdapterCache
 from .ops import LoadOp, SaveOp
 from .policy import LoadPolicy
+from .stats import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -97,6 +98,7 @@ class LMCtlConnectorScheduler:
         self.lookups = 0
         self.hit_tokens = 0
         self.skipped_tokens = 0  # stored tokens the policy chose to recompute
+        self.recorder = StatsRecorder()  # figures for vLLM's metrics, since the last step's report
 
     def _namespace(self, request: Request, kv_format: KVFormat) -> Namespace:
         lora = getattr(request, "lora_request", None)
@@ -139,11 +141,14 @@ class LMCtlConnectorScheduler:
         self.lookups += 1
         self.store.count_lookup(ns, min(found.hit_tokens, len(prompt)), len(prompt))
         if end <= num_computed_tokens:
+            self.recorder.record({"lookups": 1})
             return 0
         cs = self.ctx.kv_format.chunk_size
         d = self.policy.decide(num_computed_tokens, end, cs, self.ctx.kv_format.chunk_bytes,
                                [t or "" for t in found.tiers])
-        self.skipped_tokens += d.stored_tokens - num_computed_tokens - d.load_tokens
+        skipped = d.stored_tokens - num_computed_tokens - d.load_tokens
+        self.skipped_tokens += skipped
+        self.recorder.record({"lookups": 1, "policy_recomputed_tokens": skipped})
         if d.load_tokens <= 0:
             return 0
         st.load_start, st.load_end = num_computed_tokens, num_computed_tokens + d.load_tokens
@@ -278,6 +283,10 @@ class LMCtlConnectorScheduler:
     def request_finished(self, request: Request) -> None:
         self._reqs.pop(request.request_id, None)
         self._remote_asks.pop(request.request_id, None)
+
+    def take_stats(self) -> dict[str, object] | None:
+        """The figures recorded since the last call, for vLLM's metrics (None if none)."""
+        return self.recorder.take()
 
     def stats(self) -> dict[str, object]:
         return {"lookups": self.lookups, "hit_tokens": self.hit_tokens, "skipped_tokens": self.skipped_tokens,

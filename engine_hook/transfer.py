@@ -29,6 +29,7 @@ from store.segment import ALIGN
 from store.tensors import to_dtype
 
 from .config import LAYOUTS
+from .stats import StatsRecorder
 
 log = logging.getLogger("lmctl.engine_hook")
 
@@ -78,6 +79,7 @@ class WriterStats:
     saved: int = 0
     already_stored: int = 0
     dropped: int = 0
+    rejected_full: int = 0  # the store refused it (the tier is full of pinned chunks, or too small)
     failed: int = 0
     bytes: int = 0
     busy_s: float = 0.0
@@ -89,17 +91,20 @@ class _Job:
     buf: torch.Tensor
     layout: dict[str, Any]
     tokens: int
+    queued_at: float
 
 
 class ChunkWriter:
-    """Writes chunks to the store on a background thread, in small batches."""
+    """Writes chunks to the store on a background thread, in small batches. ``recorder``
+    (optional) gets each chunk's outcome for the engine's metrics."""
 
     BATCH = 4
 
-    def __init__(self, store: Store, pool: StagingPool) -> None:
+    def __init__(self, store: Store, pool: StagingPool, recorder: StatsRecorder | None = None) -> None:
         self.store = store
         self.pool = pool
         self.stats = WriterStats()
+        self.recorder = recorder
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="lmctl-writer", daemon=True)
         self._thread.start()
@@ -107,10 +112,21 @@ class ChunkWriter:
     def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int) -> None:
         """Queue a filled buffer (taken from the pool) for writing; the writer gives it back."""
         self.stats.queued += 1
-        self._q.put(_Job(key, buf, layout, tokens))
+        self._q.put(_Job(key, buf, layout, tokens, time.perf_counter()))
 
-    def drop(self) -> None:
-        self.stats.dropped += 1
+    def drop(self, reason: str = "queue_full") -> None:
+        """Count a chunk that is not saved: ``queue_full`` (no free staging buffer) or
+        ``error`` (copying it out of the engine failed: counted with the failed writes)."""
+        if reason == "error":
+            self.stats.failed += 1
+        else:
+            self.stats.dropped += 1
+        self._record({"dropped_saves": 1}, reason)
+
+    def _record(self, counts: dict[str, float], reason: str | None = None,
+                observe: dict[str, float] | None = None) -> None:
+        if self.recorder is not None:
+            self.recorder.record(counts, {"reason": reason} if reason else None, observe)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written. Returns False on timeout."""
@@ -151,17 +167,33 @@ class ChunkWriter:
                 log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc, exc_info=True)
                 results = [False] * len(jobs)
                 self.stats.failed += len(jobs)
+                self._record({"dropped_saves": len(jobs)}, "error")
             else:
+                done = time.perf_counter()
                 for j, ok in zip(jobs, results, strict=True):
                     if ok:
                         self.stats.saved += 1
                         self.stats.bytes += j.buf.numel()
-                    else:
+                        self._record({"saved_chunks": 1, "saved_bytes": j.buf.numel()},
+                                     observe={"save_seconds": done - j.queued_at})
+                    elif self._stored(j.key):
                         self.stats.already_stored += 1
+                        self._record({"already_stored_chunks": 1})
+                    else:  # put_many stores nothing for a chunk that cannot fit
+                        self.stats.rejected_full += 1
+                        self._record({"dropped_saves": 1}, "store_full")
             self.stats.busy_s += time.perf_counter() - t0
             for j in jobs:
                 self.pool.release(j.buf)
                 self._q.task_done()
+
+    def _stored(self, key: bytes) -> bool:
+        """Whether a chunk that put_many did not store is in the store (already stored)
+        rather than refused (no room)."""
+        try:
+            return self.store.contains(key)
+        except Exception:  # a store that cannot answer: count it as stored, as before
+            return True
 
 
 class PagedKV:

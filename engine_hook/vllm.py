@@ -34,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorSettings
 from .context import ConnectorContext
+from .metrics import LMCtlPromMetrics, LMCtlStats, build_stats
 from .ops import LoadOp, SaveOp
 from .scheduler import LMCtlConnectorScheduler
 from .worker import LMCtlConnectorWorker
@@ -41,6 +42,12 @@ from .worker import LMCtlConnectorWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -192,6 +199,24 @@ class LMCtlConnector(KVConnectorBase_V1):
             self._worker().save(meta.saves)
 
     # -- either side -------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's figures since its last report (vLLM asks after every step and adds
+        the workers' and the scheduler's up); None when there is nothing new."""
+        side = self.connector_worker if self.connector_worker is not None else self.connector_scheduler
+        report = None if side is None else side.take_stats()
+        return None if report is None else LMCtlStats(data=report)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        # runs in vLLM's API server: the metrics that each step's report is recorded into
+        return LMCtlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     @property
     def lookups(self) -> int:
         return 0 if self.connector_scheduler is None else self.connector_scheduler.lookups

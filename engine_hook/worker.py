@@ -27,6 +27,7 @@ import torch
 from store import open_shared, release_shared
 
 from .ops import LoadOp, SaveOp
+from .stats import StatsRecorder
 from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_tensor
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class LMCtlConnectorWorker:
         self.loaded_chunks = 0
         self.load_failures = 0
         self.load_s = 0.0
+        self.recorder = StatsRecorder()  # figures for vLLM's metrics, since the last step's report
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ctx = self.ctx
@@ -73,7 +75,7 @@ class LMCtlConnectorWorker:
         cuda = self._paged.device.type == "cuda"
         self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2, pinned=cuda)
         self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS, pinned=cuda)
-        self._writer = ChunkWriter(self.store, self._pool)
+        self._writer = ChunkWriter(self.store, self._pool, self.recorder)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
 
@@ -85,17 +87,19 @@ class LMCtlConnectorWorker:
                 fut: Future[set[int]] = Future()
                 fut.set_result({b for row in op.blocks for b in row if b is not None})
             else:
-                fut = self._loader.submit(self._load, op)
+                fut = self._loader.submit(self._load, op, time.perf_counter())
             with self._lock:
                 self._inflight[op.req_id] = fut
 
-    def _load(self, op: LoadOp) -> set[int]:
+    def _load(self, op: LoadOp, received: float) -> set[int]:
         """Load one request's chunks in order; the first that fails ends the load. Returns
-        its blocks and every later chunk's, for recomputing."""
+        its blocks and every later chunk's, for recomputing. ``received``: when the worker
+        was given the load (its wait is measured from there)."""
         assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
         done = 0
         buf = None
+        why = "missing"
         t0 = time.perf_counter()
         try:
             buf = self._load_pool.acquire(wait=True)
@@ -119,7 +123,9 @@ class LMCtlConnectorWorker:
                     rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
                     rep[0] += info.raw_bytes
                     rep[1] += time.perf_counter() - t
+                self.recorder.record({"loaded_chunks": 1, "loaded_bytes": info.raw_bytes}, {"tier": info.tier})
         except Exception:
+            why = "error"
             key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
             log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
@@ -129,12 +135,16 @@ class LMCtlConnectorWorker:
                 self.load_s += time.perf_counter() - t0
         failed: set[int] = set()
         if done < len(op.keys):
+            self.recorder.record({"failed_loads": 1, "failed_load_chunks": len(op.keys) - done}, {"reason": why},
+                                 observe={"load_seconds": time.perf_counter() - received})
             with self._lock:
                 self.load_failures += 1
             for row in op.blocks[done:]:
                 failed.update(b for b in row if b is not None)
             log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
                         op.req_id, done + 1, len(op.keys))
+        else:
+            self.recorder.record(observe={"load_seconds": time.perf_counter() - received})
         return failed
 
     def _stream(self) -> Any:
@@ -210,8 +220,13 @@ class LMCtlConnectorWorker:
             except Exception:
                 log.warning("lmctl: gathering a chunk of request %s failed", op.req_id, exc_info=True)
                 self._pool.release(buf)
+                self._writer.drop("error")
                 continue
             self._writer.submit(op.key, buf, self._layout, fmt.chunk_size)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The figures recorded since the last call, for vLLM's metrics (None if none)."""
+        return self.recorder.take()
 
     # -- life cycle -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
