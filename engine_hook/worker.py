@@ -203,7 +203,7 @@ class LMCtlConnectorWorker:
         for op in ops:
             buf = self._pool.acquire()
             if buf is None:
-                self._writer.drop()
+                self._writer.drop(op.key)
                 continue
             try:
                 self._paged.gather(op.blocks, chunk_tensor(buf, fmt))
@@ -211,7 +211,7 @@ class LMCtlConnectorWorker:
                 log.warning("lmctl: gathering a chunk of request %s failed", op.req_id, exc_info=True)
                 self._pool.release(buf)
                 continue
-            self._writer.submit(op.key, buf, self._layout, fmt.chunk_size)
+            self._writer.submit(op.key, buf, self._layout, fmt.chunk_size, op.prefix)
 
     # -- life cycle -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
