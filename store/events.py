@@ -79,7 +79,7 @@ class EventLog:
             doc["key"] = named[0].hex()
         t.raw.put(_event_row(seq), json.dumps(doc, separators=(",", ":")).encode(), db=db)
         packed = _BE64.pack(seq)
-        for k in named:
+        for k in sorted(named):  # in key order: neighbouring puts touch the same pages
             t.raw.put(_key_row(k), packed, db=db)
             t.raw.put(_ref_row(seq, k), b"", db=db)
         events = t.add("events", 1)
