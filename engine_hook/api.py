@@ -105,6 +105,7 @@ class KVCacheClient:
         keys = ns.chunk_keys(tokens)
         keys = keys[: kv.shape[2] // fmt.chunk_size]
         tiers = self.store.locate(keys)
+        prefixes = self.store.prefix_ids(tokens, fmt.chunk_size, len(keys)) if None in tiers else []
         queued = 0
         cs = fmt.chunk_size
         for i, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
@@ -112,10 +113,10 @@ class KVCacheClient:
                 continue
             buf = self.pool.acquire()
             if buf is None:
-                self.writer.drop()
+                self.writer.drop(key)
                 continue
             chunk_tensor(buf, fmt).copy_(kv[:, :, i * cs : (i + 1) * cs])
-            self.writer.submit(key, buf, self._layout, cs)
+            self.writer.submit(key, buf, self._layout, cs, prefixes[i] if i < len(prefixes) else None)
             queued += 1
         return queued
 

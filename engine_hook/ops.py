@@ -21,8 +21,10 @@ class LoadOp:
 
 @dataclass
 class SaveOp:
-    """Save one chunk whose KV sits in ``blocks`` (token order) after this step."""
+    """Save one chunk whose KV sits in ``blocks`` (token order) after this step. ``prefix``:
+    the id of the token prefix the chunk ends (``Store.prefix_ids``), stored with it."""
 
     req_id: str
     key: bytes
     blocks: list[int]
+    prefix: bytes | None = None

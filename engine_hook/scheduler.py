@@ -67,6 +67,8 @@ class _Req:
     ns: Namespace
     keys: list[bytes]              # keys of the prompt's full chunks
     stored: list[bool]             # whether the store held each chunk at lookup time
+    prompt: list[int] = field(default_factory=list)
+    prefixes: list[bytes] | None = None  # prefix ids of the chunks, made at the first save
     load_start: int = 0            # tokens [load_start, load_end) come from the store
     load_end: int = 0
     load_pending: bool = False     # blocks allocated, the load not sent to the workers yet
@@ -136,7 +138,7 @@ class LMCtlConnectorScheduler:
         bs = self.ctx.block_size
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
-        st = _Req(ns, found.keys, [t is not None for t in found.tiers])
+        st = _Req(ns, found.keys, [t is not None for t in found.tiers], prompt)
         self._reqs[request.request_id] = st
         self.lookups += 1
         self.store.count_lookup(ns, min(found.hit_tokens, len(prompt)), len(prompt))
@@ -234,7 +236,21 @@ class LMCtlConnectorScheduler:
             key = st.keys[c]
             if st.stored[c] or not self._recent_saves.claim(key):
                 continue
-            saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc]))
+            prefixes = self._prefixes(st)
+            saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc],
+                                prefixes[c] if c < len(prefixes) else None))
+
+    def _prefixes(self, st: _Req) -> list[bytes]:
+        """The prefix ids of a request's chunks (one pass over its prompt, at its first save):
+        stored with each chunk, they let ``lmctl lookup --explain`` find the same tokens in
+        another namespace. A failure costs only that."""
+        if st.prefixes is None:
+            try:
+                st.prefixes = self.store.prefix_ids(st.prompt, self.ctx.kv_format.chunk_size, len(st.keys))
+            except Exception as exc:
+                log.warning("lmctl: prefix ids could not be computed: %s", exc)
+                st.prefixes = []
+        return st.prefixes
 
     def _plan_load(self, loads: list[LoadOp], req_id: str, st: _Req) -> None:
         cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size

@@ -4,7 +4,9 @@
   with O_DIRECT and no extra copy; reusing them avoids first-touch page faults).
 * ``ChunkWriter``: a background thread that writes gathered chunks to the store. Its
   queue is bounded by the pool: when no buffer is free the save is dropped and
-  counted, so a slow disk never makes the step loop wait for a save. (Loads read the
+  counted, so a slow disk never makes the step loop wait for a save. Dropped saves
+  (a full queue, a full disk) go to the store's event log in batches, from the
+  writer's thread: at most one index transaction a second. (Loads read the
   store on the step loop, before the forward pass: a slow disk does slow those.)
 * ``PagedKV``: the one place that knows how an engine lays out its paged KV cache.
   It views each layer as ``[blocks, 2 (K, V), block_size, kv_heads, head_dim]`` and
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from store import KVFormat, PutItem, Store, StoreError
+from store import DiskFullError, KVFormat, PutItem, Store, StoreError
 from store.segment import ALIGN
 from store.tensors import to_dtype
 
@@ -92,6 +94,7 @@ class _Job:
     layout: dict[str, Any]
     tokens: int
     queued_at: float
+    prefix: bytes | None = None
 
 
 class ChunkWriter:
@@ -99,6 +102,10 @@ class ChunkWriter:
     (optional) gets each chunk's outcome for the engine's metrics."""
 
     BATCH = 4
+    #: dropped saves are written to the store's event log at most this often (seconds)
+    DROP_FLUSH_S = 1.0
+    #: dropped saves waiting for the event log at most (more are counted in ``stats`` only)
+    MAX_PENDING_DROPS = 4096
 
     def __init__(self, store: Store, pool: StagingPool, recorder: StatsRecorder | None = None) -> None:
         self.store = store
@@ -106,27 +113,58 @@ class ChunkWriter:
         self.stats = WriterStats()
         self.recorder = recorder
         self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._drops: list[tuple[bytes | None, str]] = []
+        self._drops_lock = threading.Lock()
+        self._drops_at = time.monotonic()
+        self._drop_log_failed = False
         self._thread = threading.Thread(target=self._run, name="lmctl-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int) -> None:
+    def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int,
+               prefix: bytes | None = None) -> None:
         """Queue a filled buffer (taken from the pool) for writing; the writer gives it back."""
         self.stats.queued += 1
-        self._q.put(_Job(key, buf, layout, tokens, time.perf_counter()))
+        self._q.put(_Job(key, buf, layout, tokens, time.perf_counter(), prefix))
 
-    def drop(self, reason: str = "queue_full") -> None:
+    #: a drop's reason in the engine's metrics -> its reason in the store's event log
+    EVENT_REASONS = {"queue_full": "queue-full", "error": "failed"}
+
+    def drop(self, key: bytes | None = None, reason: str = "queue_full") -> None:
         """Count a chunk that is not saved: ``queue_full`` (no free staging buffer) or
-        ``error`` (copying it out of the engine failed: counted with the failed writes)."""
+        ``error`` (copying it out of the engine failed: counted with the failed writes). The
+        store's event log learns of it in the writer's next batch of dropped saves."""
         if reason == "error":
             self.stats.failed += 1
         else:
             self.stats.dropped += 1
         self._record({"dropped_saves": 1}, reason)
+        self._note_drops([(key, self.EVENT_REASONS.get(reason, reason))])
 
     def _record(self, counts: dict[str, float], reason: str | None = None,
                 observe: dict[str, float] | None = None) -> None:
         if self.recorder is not None:
             self.recorder.record(counts, {"reason": reason} if reason else None, observe)
+
+    def _note_drops(self, drops: list[tuple[bytes | None, str]]) -> None:
+        with self._drops_lock:
+            room = self.MAX_PENDING_DROPS - len(self._drops)
+            self._drops.extend(drops[: max(0, room)])
+
+    def _flush_drops(self) -> None:
+        """Write the dropped saves noted so far to the store's event log, in one transaction."""
+        with self._drops_lock:
+            drops, self._drops = self._drops, []
+            self._drops_at = time.monotonic()
+        if not drops:
+            return
+        try:
+            self.store.record_dropped_saves(drops)
+            self._drop_log_failed = False
+        except Exception as exc:  # e.g. the index's disk is full too: keep them for the next try
+            if not self._drop_log_failed:
+                log.warning("lmctl: could not log %d dropped save(s) in the store: %s", len(drops), exc)
+            self._drop_log_failed = True
+            self._note_drops(drops)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written. Returns False on timeout."""
@@ -135,6 +173,7 @@ class ChunkWriter:
             if end is not None and time.monotonic() > end:
                 return False
             time.sleep(0.005)
+        self._flush_drops()
         return True
 
     def close(self) -> None:
@@ -144,8 +183,13 @@ class ChunkWriter:
 
     def _run(self) -> None:
         while True:
-            first = self._q.get()
+            try:
+                first = self._q.get(timeout=self.DROP_FLUSH_S)
+            except queue.Empty:  # idle: what was dropped meanwhile goes to the event log
+                self._flush_drops()
+                continue
             if first is None:
+                self._flush_drops()
                 self._q.task_done()
                 return
             jobs = [first]
@@ -161,13 +205,15 @@ class ChunkWriter:
                 jobs.append(nxt)
             t0 = time.perf_counter()
             try:
-                items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens) for j in jobs]
+                items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens, prefix=j.prefix) for j in jobs]
                 results = self.store.put_many(items)
             except Exception as exc:  # never let a disk problem reach the engine
                 log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc, exc_info=True)
                 results = [False] * len(jobs)
                 self.stats.failed += len(jobs)
                 self._record({"dropped_saves": len(jobs)}, "error")
+                why = "disk-full" if isinstance(exc, DiskFullError) else "failed"
+                self._note_drops([(j.key, why) for j in jobs])
             else:
                 done = time.perf_counter()
                 for j, ok in zip(jobs, results, strict=True):
@@ -185,6 +231,9 @@ class ChunkWriter:
             self.stats.busy_s += time.perf_counter() - t0
             for j in jobs:
                 self.pool.release(j.buf)
+            if self._drops and (self._q.empty() or time.monotonic() - self._drops_at >= self.DROP_FLUSH_S):
+                self._flush_drops()
+            for _j in jobs:
                 self._q.task_done()
 
     def _stored(self, key: bytes) -> bool:

@@ -213,16 +213,16 @@ class LMCtlConnectorWorker:
         for op in ops:
             buf = self._pool.acquire()
             if buf is None:
-                self._writer.drop()
+                self._writer.drop(op.key)
                 continue
             try:
                 self._paged.gather(op.blocks, chunk_tensor(buf, fmt))
             except Exception:
                 log.warning("lmctl: gathering a chunk of request %s failed", op.req_id, exc_info=True)
                 self._pool.release(buf)
-                self._writer.drop("error")
+                self._writer.drop(op.key, "error")
                 continue
-            self._writer.submit(op.key, buf, self._layout, fmt.chunk_size)
+            self._writer.submit(op.key, buf, self._layout, fmt.chunk_size, op.prefix)
 
     def take_stats(self) -> dict[str, Any] | None:
         """The figures recorded since the last call, for vLLM's metrics (None if none)."""

@@ -280,9 +280,10 @@ def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
 
 @app.command()
 @with_selectors
-def lookup(ctx: typer.Context, sel: dict[str, Any]) -> None:
-    """How much of a document is cached: hit tokens, chunks per tier, first miss."""
-    _request(ctx, "lookup", sel, _show_lookup)
+def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typer.Option(
+        "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False) -> None:
+    """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why)."""
+    _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, _show_lookup)
 
 
 def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
@@ -299,6 +300,57 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
                 + (f"  fingerprint {fp[:12]}" if fp else "") + ("  (salted)" if ns.get("salted") else ""))
     rows = [[str(x["index"]), chunk_id(x["key"]), x["tier"] or "[red]miss[/red]"] for x in r["chunks"]]
     term.table(None, ["chunk", "chunk hash", "tier"], rows)
+    if "explain" in r:
+        why = r["explain"]
+        if why is None:
+            c.print("nothing misses: every full chunk is cached", markup=False)
+        else:
+            c.print(f"why: {why['reason']}: {why['message']}", markup=False, soft_wrap=True)
+
+
+@app.command()
+def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
+        help="only events of the last 90s, 30m, 1h, 7d ...")] = None,
+           kind: Annotated[list[str] | None, typer.Option(
+               help="evict, corrupt, save-dropped, pin or unpin; repeatable")] = None,
+           limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50) -> None:
+    """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals)."""
+    from .units import parse_duration
+
+    def args() -> dict[str, Any]:
+        out: dict[str, Any] = {"limit": limit}
+        if since is not None:
+            try:
+                out["since"] = parse_duration(since)
+            except ValueError as exc:
+                raise CommandError("usage", f"--since: {exc}") from None
+        if kind:
+            out["kind"] = list(kind)
+        return out
+
+    _request(ctx, "events", args, _show_events)
+
+
+def _show_events(term: Terminal, r: dict[str, Any]) -> None:
+    import time
+
+    from rich.markup import escape
+
+    rows = []
+    for e in r["events"]:
+        what = [f"{k} {e[k]}" for k in ("tier", "label", "uid") if e.get(k) is not None]
+        if e.get("bytes"):
+            what.append(human(e["bytes"]))
+        if e.get("key"):
+            what.append(f"first chunk {chunk_id(e['key'])}")
+        if e.get("detail"):
+            what.append(escape(str(e["detail"])))
+        rows.append([time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])), e["kind"], e["reason"],
+                     str(e["chunks"]), ", ".join(what)])
+    term.table(None, ["time", "kind", "reason", "chunks", "details"], rows, {"chunks"})
+    totals = [f"{name} {reason}={n}" for name, by in r["counters"].items() for reason, n in sorted(by.items())]
+    term.console().print(f"{len(r['events'])} event(s) shown (the log keeps the newest {r['limit']}); totals: "
+                         + (", ".join(totals) or "none"), markup=False)
 
 
 @app.command()

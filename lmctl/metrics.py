@@ -59,6 +59,17 @@ CELLS: dict[str, str] = {
 }
 
 
+#: ``Store.event_counters()`` kinds -> (metric, help); each by its ``reason`` label
+EVENT_COUNTERS: dict[str, tuple[str, str]] = {
+    "evictions_total": ("lmctl_evictions_total", "Chunks evicted, by reason (lru, retired, operator, moved-remote)."),
+    "corrupt_total": ("lmctl_corrupt_drops_total", "Chunks dropped as corrupt, by how they were found."),
+    "saves_dropped_total": ("lmctl_saves_dropped_total", "Engine saves dropped, by reason (queue-full, disk-full, "
+                            "failed)."),
+    "pins_total": ("lmctl_pins_total", "Pin references added, by reason."),
+    "unpins_total": ("lmctl_unpins_total", "Pin references removed, by reason."),
+}
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``PORT`` (loopback), ``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
     text = value.strip()
@@ -109,6 +120,12 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("lmctl_write_amplification", "Bytes written to segment files per payload byte.",
                                 value=stats.write_amplification)
         yield from _cell_families(cells)
+        events = self.store.event_counters()
+        for kind, (metric, doc) in EVENT_COUNTERS.items():
+            events_fam = CounterMetricFamily(metric, doc, labels=["reason"])
+            for reason, n in sorted(events.get(kind, {}).items()):
+                events_fam.add_metric([reason], float(n))
+            yield events_fam
         extra = self.extra()
         jobs = GaugeMetricFamily("lmctl_daemon_jobs", "Long operations running in the daemon, per command.",
                                  labels=["cmd"])

@@ -9,6 +9,7 @@ means the operation failed (exit code 1).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ from .errors import Cancelled, UsageError
 from .selection import (
     Recorded,
     arg,
+    caller_uid,
     check_conflicts,
     configured_tier,
     filter_chunks,
@@ -58,11 +60,19 @@ def _ns_json(store: Store, ns: Namespace, rec: Recorded | None = None) -> dict[s
 
 
 def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
-    sel = select(store, args)
+    explain = arg(args, "explain", bool, False)
+    sel = select(store, {k: v for k, v in args.items() if k != "explain"})
+    why: dict[str, Any] | None = None
+    if explain and not sel.namespaces:
+        raise UsageError("--explain needs a document (--text, --file, --tokens or --messages): the reason "
+                         "is found from its tokens")
     if sel.namespaces:
         ns = sel.namespaces[0]
         assert sel.token_ids is not None
         found = store.lookup(ns, sel.token_ids)
+        if explain:
+            ex = store.explain(ns, sel.token_ids, found)
+            why = None if ex is None else ex.to_dict()
         keys, tiers, total = found.keys, found.tiers, found.total_tokens
         size: int | None = found.chunk_size
         namespace: dict[str, Any] | None = _ns_json(store, ns)
@@ -84,12 +94,15 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         assert t is not None
         per_tier[t] = per_tier.get(t, 0) + 1
     hit_tokens = hit * size if size else 0
-    return {
+    out = {
         "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
         "first_miss": hit_tokens if hit_tokens < total else None,
         "tiers": per_tier, "namespace": namespace,
         "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
     }
+    if explain:
+        out["explain"] = why
+    return out
 
 
 def _label(args: dict[str, Any]) -> str:
@@ -107,7 +120,7 @@ def op_pin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     dry_run = arg(args, "dry_run", bool, False)
     expected = sel.namespaces[0].kv_format.chunk_bytes if sel.namespaces else 0
     # a dry run checks the pin budget as the real pin does, then changes nothing
-    added = store.pin(label, keys, expected_bytes=expected, dry_run=dry_run)
+    added = store.pin(label, keys, expected_bytes=expected, dry_run=dry_run, uid=caller_uid())
     if sel.namespaces and not dry_run:  # a document: kept for pin --export-manifest
         ns = sel.namespaces[0]
         doc = arg(args, "doc", dict)
@@ -130,7 +143,7 @@ def op_unpin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     target = len(pinned_keys) if keys is None else len(keys)
     if arg(args, "dry_run", bool, False):
         return {"label": label, "chunks": target, "removed": target, "dry_run": True}
-    removed = store.unpin(label, keys)
+    removed = store.unpin(label, keys, uid=caller_uid())
     pinned_documents.prune(store.path, label, store.labels().get(label, []))
     return {"label": label, "chunks": target, "removed": removed, "dry_run": False}
 
@@ -152,7 +165,7 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     for start in range(0, total, 256):
         job.progress(start, total, "evicting")
         batch = victims[start : start + 256]
-        got = store.evict([i.key for i in batch], force=force)
+        got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
         n += got.chunks
         b += got.bytes
         pinned_removed += sum(1 for i in batch if i.pin_refs > 0)
@@ -433,6 +446,25 @@ def op_verify(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             "problems": [{"kind": p.kind, "detail": p.detail, "fixed": p.fixed} for p in problems]}
 
 
+def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """The store's event log: the newest ``limit`` events (0: all) of the last ``since``
+    seconds, of the ``kind`` list; and the totals by kind and reason, which outlive the log."""
+    since = arg(args, "since", float)
+    kinds = arg(args, "kind", list)
+    limit = arg(args, "limit", int, 50)
+    if since is not None and since < 0:
+        raise UsageError("--since must not be negative")
+    if limit < 0:
+        raise UsageError("--limit must be 0 (all) or a positive number of events")
+    if kinds is not None and not all(isinstance(k, str) for k in kinds):
+        raise UsageError("argument 'kind' must be a list of event kinds")
+    try:
+        events = store.events(None if since is None else time.time() - since, kinds or None, limit)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    return {"events": events, "counters": store.event_counters(), "limit": store.config.event_log_max}
+
+
 def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Labels, adapters and models, for shell completion."""
     recorded = recorded_namespaces(store)
@@ -471,5 +503,5 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 OPS: dict[str, Callable[[Store, dict[str, Any], Job], dict[str, Any]]] = {
     "lookup": op_lookup, "pin": op_pin, "unpin": op_unpin, "evict": op_evict, "move": op_move,
     "compress": op_compress, "warm": op_warm, "export": op_export, "ls": op_ls, "inspect": op_inspect,
-    "verify": op_verify, "names": op_names, "config": op_config,
+    "verify": op_verify, "names": op_names, "config": op_config, "events": op_events,
 }

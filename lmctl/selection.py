@@ -85,6 +85,12 @@ def set_caller(uid: int | None) -> None:
     _caller.uid = uid
 
 
+def caller_uid() -> int | None:
+    """The uid of the client whose request this thread serves (None: not known)."""
+    uid = getattr(_caller, "uid", None)
+    return uid if isinstance(uid, int) and uid >= 0 else None
+
+
 def _check_adapter_folder(path: str) -> None:
     """Before hashing a folder named by a client: it must look like an adapter (few files,
     bounded size: never a walk of /usr or /), and a client of another uid must be able to

@@ -22,7 +22,7 @@ from .units import parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
-              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s")
+              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max")
 TIER_KEYS = ("capacity", "path", "pin_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
@@ -103,6 +103,11 @@ def _read_store_key(key: str, value: Any) -> Any:
         if secs < 0:
             raise StoreError(f"{key} must not be negative")
         return secs
+    if key == "event_log_max":
+        n = _number(value, key, int)
+        if n < 1:
+            raise StoreError("event_log_max must be at least 1 (events the store's event log keeps)")
+        return n
     return _number(value, key)  # low_watermark, compact_dead_ratio: validate() checks ranges
 
 

@@ -23,6 +23,7 @@ from .types import (
     ChunkInfo,
     Compacted,
     Evicted,
+    Explanation,
     LookupResult,
     MaintenanceResult,
     Problem,
@@ -34,8 +35,8 @@ from .types import (
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "DiskFullError",
-    "Evicted", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB", "Namespace",
-    "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig", "StoreError",
-    "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys", "open_shared", "parse_key",
+    "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB",
+    "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig",
+    "StoreError", "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys", "open_shared", "parse_key",
     "release_shared", "short_key",
 ]

@@ -81,13 +81,15 @@ class Compactor:
         data = memoryview(buf)[: e.stored_len]
         try:
             trailer = st.io.read_record(sid, off, e.stored_len, data)
-        except (CorruptRecord, SegmentGone, ValueError):
+        except (CorruptRecord, SegmentGone, ValueError) as exc:
             st.io.pool.give(buf)
-            drop_corrupt(self.index, key, e)
+            drop_corrupt(self.index, key, e, detail=f"found by compaction: {exc}")
             return
-        if trailer_mismatch(key, e, trailer):
+        wrong = trailer_mismatch(key, e, trailer)
+        if wrong:
             st.io.pool.give(buf)
-            drop_corrupt(self.index, key, e)
+            drop_corrupt(self.index, key, e, detail=f"found by compaction: the index and the record trailer "
+                                                    f"disagree on {wrong}")
             return
         # reserve in our own open segment, without evicting (compaction frees space)
         nseg, noff, fd = self.index.write(lambda t: self.space.alloc(t, st, e.rec_len))
@@ -107,9 +109,9 @@ class Compactor:
             cur = t.entry(key)
             if cur is None or (cur.seg, cur.off) != (sid, off):
                 return
-            t.unindex_entry(key, cur)
+            prefix = t.unindex_entry(key, cur)
             cur.seg, cur.off = nseg, noff
-            t.index_entry(key, cur)  # a move is not an eviction: pins stay as they were
+            t.index_entry(key, cur, prefix)  # a move is not an eviction: pins stay as they were
 
         self.index.write(move)
 

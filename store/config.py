@@ -97,6 +97,9 @@ class StoreConfig:
     compress_cold_after_s: float = 0.0
     #: the shared remote tier (None: this store has none)
     remote: RemoteConfig | None = None
+    #: events the store's event log keeps (evictions, corrupt drops, dropped saves, pins); the
+    #: oldest go first. Their counters are kept apart and never dropped
+    event_log_max: int = 10000
 
     def validate(self) -> None:
         if not self.tiers:
@@ -118,6 +121,8 @@ class StoreConfig:
             raise StoreError("retire_after_s must not be negative")
         if self.compress_cold_after_s < 0:
             raise StoreError("compress_cold_after_s must not be negative (0 turns it off)")
+        if isinstance(self.event_log_max, bool) or not isinstance(self.event_log_max, int) or self.event_log_max < 1:
+            raise StoreError("event_log_max must be a whole number of events, at least 1")
         if self.remote is not None:
             self.remote.validate()
         from .codec import codec_id

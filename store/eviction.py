@@ -63,8 +63,9 @@ class Evictor:
 
         moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
 
-        def pick(t: Txn) -> tuple[dict[bytes, Entry], int]:
-            freed = retired = 0
+        def pick(t: Txn) -> tuple[dict[bytes, Entry], set[bytes]]:
+            freed = 0
+            retired: set[bytes] = set()
             victims: dict[bytes, Entry] = {}
             # a spill that moves chunks (dram to nvme) may take pinned ones: a move keeps the pin
             sources = ((True, self._retired_victims(t, st.tid, moves)), (False, self._lru_victims(t, st.tid, moves)))
@@ -79,18 +80,26 @@ class Evictor:
                         continue
                     victims[key] = e
                     freed += e.rec_len
-                    retired += from_retired
+                    if from_retired:
+                        retired.add(key)
             return victims, retired
 
-        def drop(t: Txn, victims: dict[bytes, Entry], retired: int) -> int:
-            n = 0
+        def drop(t: Txn, victims: dict[bytes, Entry], retired: set[bytes]) -> int:
+            gone: dict[str, list[bytes]] = {"retired": [], "lru": []}
+            nbytes = {"retired": 0, "lru": 0}
             for key, e in victims.items():
                 cur = t.entry(key)  # still where it was picked (a spill moves it; then it stays)
                 if cur is not None and (cur.seg, cur.off, cur.tier) == (e.seg, e.off, e.tier) and not t.pinned(key):
                     t.unindex_entry(key, cur)
-                    n += 1
-            t.add("evicted_retired", min(retired, n))
+                    why = "retired" if key in retired else "lru"
+                    gone[why].append(key)
+                    nbytes[why] += cur.rec_len
+            n = len(gone["retired"]) + len(gone["lru"])
+            t.add("evicted_retired", len(gone["retired"]))
             t.add("evicted", n)
+            for why, keys in gone.items():
+                if keys:
+                    t.event("evict", why, keys, tier=tier, bytes=nbytes[why])
             return n
 
         if self.spill is None:
@@ -150,11 +159,13 @@ class Evictor:
                 if pinned_too or not t.pinned(key):
                     yield key
 
-    def evict(self, keys: Iterable[bytes], force: bool = False) -> Evicted:
+    def evict(self, keys: Iterable[bytes], force: bool = False, reason: str = "operator",
+              uid: int | None = None) -> Evicted:
         """See ``Store.evict``."""
 
         def fn(t: Txn) -> Evicted:
             n = b = 0
+            gone: list[bytes] = []
             for key in keys:
                 raw = t.entry_raw(key)
                 if raw is None:
@@ -164,12 +175,17 @@ class Evictor:
                 e = Entry.read(raw)
                 if e is None:  # a damaged entry: forget it (verify --fix recounts what it counted)
                     t.raw.delete(key, db=self.index.chunks)
+                    t.forget_prefix(key)
                     n += 1
+                    gone.append(key)
                     continue
                 t.unindex_entry(key, e)
                 n += 1
                 b += e.rec_len
+                gone.append(key)
             t.add("evicted", n)
+            if gone:
+                t.event("evict", reason, gone, bytes=b, uid=uid, force=force or None)
             return Evicted(n, b)
 
         with self.lock:

@@ -14,6 +14,9 @@ segs        segment id (BE u64)                         ``SegmentRecord``
 pins        chunk key                                   refs (u32), reserved bytes (u64)
 labels      label + NUL + chunk key                     pin time (BE u64)
 namespaces  namespace id (16 bytes)                     namespace record JSON
+prefixes    ``p`` + prefix id (16) + namespace id (16)  chunk key: which namespaces hold a
+            ``k`` + chunk key                           token prefix, and back (explain)
+events      (see ``store/events.py``)                   the bounded event log
 ==========  ==========================================  =====================================
 
 Every write goes through ``Index.transact()``: it hands out a ``Txn`` that carries the
@@ -33,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
@@ -42,6 +45,9 @@ from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexWriteError, StoreError
 from .private import DIR_MODE
 from .segment import ALIGN, RecordTrailer, record_len
+
+if TYPE_CHECKING:
+    from .events import EventLog
 
 log = logging.getLogger("lmctl.store")
 T = TypeVar("T")
@@ -92,6 +98,17 @@ def lru_chunk(k: bytes | memoryview) -> bytes:
 
 def label_key(label: bytes, key: bytes = b"") -> bytes:
     return label + b"\0" + key
+
+
+def prefix_row(prefix: bytes, key: bytes = b"") -> bytes:
+    """A ``prefixes`` row: token prefix id, then the namespace id of a chunk that ends it
+    (``key``'s first 16 bytes; none: the start of the prefix's rows)."""
+    return b"p" + prefix + key[:16]
+
+
+def prefix_back(key: bytes) -> bytes:
+    """The ``prefixes`` row that gives a chunk's prefix id back."""
+    return b"k" + key
 
 
 def counter_key(name: str) -> bytes:
@@ -299,9 +316,13 @@ class Txn:
         if remove_file:
             self.remove.append((tier, sid))
 
-    def index_entry(self, key: bytes, e: Entry) -> None:
-        """Make ``e`` the entry of ``key`` and count it (segment, tier and pin counters)."""
+    def index_entry(self, key: bytes, e: Entry, prefix: bytes | None = None) -> None:
+        """Make ``e`` the entry of ``key`` and count it (segment, tier and pin counters);
+        ``prefix``: the id of the token prefix the chunk ends (``keys.prefix_ids``)."""
         self.raw.put(key, e.pack(), db=self.index.chunks)
+        if prefix:
+            self.raw.put(prefix_row(prefix, key), key, db=self.index.prefixes)
+            self.raw.put(prefix_back(key), prefix, db=self.index.prefixes)
         self.raw.put(lru_key(e.tier, e.last_access, key), b"", db=self.index.lru)
         self.raw.put(loc_key(e.seg, e.off), key, db=self.index.locs)
         seg = self.must_segment(e.seg)
@@ -317,10 +338,12 @@ class Txn:
             self.add("pin_reserved", -reserved)
             self.raw.put(key, _PIN.pack(refs, 0), db=self.index.pins)
 
-    def unindex_entry(self, key: bytes, e: Entry) -> None:
+    def unindex_entry(self, key: bytes, e: Entry) -> bytes | None:
         """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing
-        live is forgotten and its file removed after commit."""
+        live is forgotten and its file removed after commit. Returns the chunk's prefix id
+        (for a move, which indexes it again), if it had one."""
         self.raw.delete(key, db=self.index.chunks)
+        prefix = self.forget_prefix(key)
         self.raw.delete(lru_key(e.tier, e.last_access, key), db=self.index.lru)
         self.raw.delete(loc_key(e.seg, e.off), db=self.index.locs)
         tname = TIER_NAMES[e.tier]
@@ -333,7 +356,7 @@ class Txn:
             self.raw.put(key, _PIN.pack(refs, e.rec_len), db=self.index.pins)
         seg = self.segment(e.seg)
         if seg is None:
-            return
+            return prefix
         # clamped: an index entry damaged on disk may overstate what it counted (recount fixes it)
         seg.live_bytes = max(0, seg.live_bytes - e.rec_len)
         seg.live_count = max(0, seg.live_count - 1)
@@ -341,6 +364,24 @@ class Txn:
             self.drop_segment(tname, e.seg, seg)
         else:
             self.put_segment(e.seg, seg)
+        return prefix
+
+    def event(self, kind: str, reason: str, keys: list[bytes] | tuple[bytes, ...] = (), **fields: Any) -> None:
+        """Add an event to the store's event log in this transaction (``store/events.py``);
+        nothing when the store keeps none (an index opened on its own)."""
+        log_ = self.index.event_log
+        if log_ is not None:
+            log_.add(self, kind, reason, keys, **fields)
+
+    def forget_prefix(self, key: bytes) -> bytes | None:
+        """Drop the ``prefixes`` rows of ``key``; its prefix id, if it had one."""
+        raw = self.raw.get(prefix_back(key), db=self.index.prefixes)
+        if raw is None:
+            return None
+        prefix = bytes(raw)
+        self.raw.delete(prefix_back(key), db=self.index.prefixes)
+        self.raw.delete(prefix_row(prefix, key), db=self.index.prefixes)
+        return prefix
 
     def touch_entry(self, key: bytes, last_access: float, hits: int) -> None:
         """Move ``key`` in LRU order to ``last_access`` (never back) and add ``hits``."""
@@ -393,6 +434,10 @@ class Index:
         self.pins = self.env.open_db(b"pins")
         self.labels = self.env.open_db(b"labels")
         self.ns = self.env.open_db(b"namespaces")
+        self.prefixes = self.env.open_db(b"prefixes")
+        self.events = self.env.open_db(b"events")
+        #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
+        self.event_log: EventLog | None = None
 
     def _open(self) -> lmdb.Environment:
         if self.readonly:
@@ -481,14 +526,16 @@ class Index:
         self._closed = True
 
 
-def drop_corrupt(index: Index, key: bytes, e: Entry) -> None:
-    """Forget ``key`` if its entry is still ``e`` (its bytes failed verification) and count it."""
+def drop_corrupt(index: Index, key: bytes, e: Entry, reason: str = "bad-record", detail: str = "") -> None:
+    """Forget ``key`` if its entry is still ``e`` (its bytes failed verification), count it
+    and log it (kind ``corrupt``, ``reason``, ``detail``: what failed)."""
 
     def fn(t: Txn) -> None:
         cur = t.entry(key)
         if cur is not None and (cur.seg, cur.off) == (e.seg, e.off):
             t.unindex_entry(key, cur)
             t.add("corrupt", 1)
+            t.event("corrupt", reason, [key], tier=cur.tier_name, detail=detail)
 
     index.write(fn)
 
@@ -500,6 +547,8 @@ def drop_unreadable(index: Index, key: bytes, raw: bytes) -> None:
     def fn(t: Txn) -> None:
         if t.raw.get(key, db=index.chunks) == raw:
             t.raw.delete(key, db=index.chunks)
+            t.forget_prefix(key)
             t.add("corrupt", 1)
+            t.event("corrupt", "bad-entry", [key], detail="its index entry could not be decoded")
 
     index.write(fn)

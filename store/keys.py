@@ -18,6 +18,7 @@ salt) is one contiguous range of the index.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ LAYOUT_VERSION = 1
 NS_ID_BYTES = 16
 HASH_BYTES = 32
 KEY_BYTES = NS_ID_BYTES + HASH_BYTES
+PREFIX_ID_BYTES = 16
 
 #: Element size in bytes of every dtype the store knows by name.
 DTYPE_SIZES: dict[str, int] = {
@@ -261,6 +263,30 @@ def chunk_keys(ns: Namespace, tokens: Sequence[int] | Iterable[int]) -> list[byt
         h = hashlib.sha256(h + raw[i * step : (i + 1) * step]).digest()
         keys.append(prefix + h)
     return keys
+
+
+def prefix_ids(tokens: Sequence[int], chunk_size: int, secret: bytes, limit: int | None = None) -> list[bytes]:
+    """The namespace-free id of the token prefix that ends each full chunk of ``tokens``:
+    ``HMAC-SHA256(secret, "lmctl/prefix/v1\\0" || tokens[:end] as little-endian uint32)[:16]``
+    at every chunk end (``limit``: of the first ``limit`` chunks only).
+
+    It does not depend on the namespace or on the chunk size (the same tokens give the same
+    id at the same end whatever the chunking), so the store can tell which namespaces hold a
+    prefix. ``secret`` is the store's salt key: ids of one store mean nothing elsewhere, and
+    no one without the index can test a guessed text against them."""
+    full = len(tokens) // chunk_size
+    if limit is not None:
+        full = min(full, limit)
+    if full <= 0:
+        return []
+    raw = _token_bytes(tokens[: full * chunk_size])
+    step = chunk_size * 4
+    mac = hmac.new(secret, b"lmctl/prefix/v1\0", hashlib.sha256)
+    out = []
+    for i in range(full):
+        mac.update(raw[i * step : (i + 1) * step])
+        out.append(mac.copy().digest()[:PREFIX_ID_BYTES])
+    return out
 
 
 def short_key(key: bytes) -> str:

@@ -37,7 +37,7 @@ class Pins:
         self._journal_add = journal_add
 
     def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False,
-            journal: bool = True) -> int:
+            journal: bool = True, uid: int | None = None) -> int:
         """See ``Store.pin``."""
         if not label or "\0" in label:
             raise StoreError("a pin label must be a non-empty string without NUL")
@@ -73,6 +73,8 @@ class Pins:
                         f"budget of {st.cfg.pin_budget_bytes} bytes; unpin something or raise the budget")
             if dry_run:
                 raise _RolledBack(added)
+            if added and journal:  # not when restored from the journal: that pin was logged when made
+                t.event("pin", "operator", chunks=added, label=label, uid=uid)
             return added
 
         try:
@@ -83,7 +85,7 @@ class Pins:
             self._journal_add("pin", label=label, keys=[k.hex() for k in keys], expected=int(expected_bytes))
         return added
 
-    def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
+    def unpin(self, label: str, keys: Sequence[bytes] | None = None, uid: int | None = None) -> int:
         """See ``Store.unpin``."""
         lb = label_key(label.encode())
 
@@ -116,6 +118,8 @@ class Pins:
                         t.add("pin_reserved", -reserved)
                 else:
                     t.raw.put(key, pack_pin(refs - 1, reserved), db=self.index.pins)
+            if removed:
+                t.event("unpin", "operator", chunks=removed, label=label, uid=uid)
             return removed
 
         removed = self.index.write(fn)

@@ -191,7 +191,7 @@ class Reads:
             except (CorruptRecord, StoreError, ValueError, OverflowError, MemoryError) as exc:
                 # a record or an index entry that does not add up is a miss, never wrong bytes
                 log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
-                drop_corrupt(self.index, key, e)
+                drop_corrupt(self.index, key, e, detail=str(exc))
                 self._count_miss(touch)
                 return None
             if touch:

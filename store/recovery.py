@@ -119,6 +119,9 @@ class Recovery:
             entries = t.entries_in_segment(sid)
             for key, e in entries:
                 t.unindex_entry(key, e)
+            if entries:
+                t.event("corrupt", "segment-missing", [k for k, _e in entries], tier=st.name,
+                        detail=f"segment {sid}'s file vanished")
             cur = t.segment(sid)
             if cur is not None:
                 t.drop_segment(st.name, sid, cur, remove_file=False)
@@ -167,8 +170,12 @@ class Recovery:
             return None
         if fd < 0:
             # the file is gone: forget it and everything indexed in it
-            for key, e in t.entries_in_segment(sid):
+            gone = t.entries_in_segment(sid)
+            for key, e in gone:
                 t.unindex_entry(key, e)
+            if gone:
+                t.event("corrupt", "segment-missing", [k for k, _e in gone], tier=st.name,
+                        detail=f"segment {sid}'s file vanished")
             cur = t.segment(sid)
             if cur is not None:
                 t.drop_segment(st.name, sid, cur, remove_file=False)
@@ -286,11 +293,15 @@ class Recovery:
                     bad.append((key, e))
         if fix and bad:
             def drop(t: Txn) -> None:
+                dropped = []
                 for key, e in bad:
                     cur = t.entry(key)
                     if cur is not None and (cur.seg, cur.off) == (e.seg, e.off):
                         t.unindex_entry(key, cur)
                         t.add("corrupt", 1)
+                        dropped.append(key)
+                if dropped:
+                    t.event("corrupt", "verify", dropped, detail="dropped by verify --fix")
 
             with self.lock:
                 self.index.write(drop)
@@ -306,7 +317,9 @@ class Recovery:
                     raw = t.entry_raw(k)
                     if raw is not None and Entry.read(raw) is None:
                         t.raw.delete(k, db=self.index.chunks)
+                        t.forget_prefix(k)
                         t.add("corrupt", 1)
+                        t.event("corrupt", "bad-entry", [k], detail="dropped by verify --fix")
 
             with self.lock:
                 self.index.write(forget)
@@ -399,7 +412,7 @@ class Recovery:
                         e = Entry(sid, off, tr.record_len, tr.stored_len, tr.raw_len, tr.checksum,
                                   int(tr.meta.get("tokens", 0)), 0, tr.codec, st.tid, tr.created,
                                   tr.created, tr.meta.get("layout", {}))
-                        t.index_entry(tr.key, e)
+                        t.index_entry(tr.key, e, _prefix_of(tr.meta))
                         n += 1
                     return n
 
@@ -446,3 +459,11 @@ class Recovery:
                     self.path, found, len(state["namespaces"]), len(state["labels"]) - failed, pinned,
                     f"; {failed} label(s) could not be pinned again" if failed else "")
 
+
+def _prefix_of(meta: Any) -> bytes | None:
+    """The token prefix id a record's trailer names (``PutItem.prefix``), if any."""
+    text = meta.get("prefix") if isinstance(meta, dict) else None
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) and len(text) == 32 else None
+    except ValueError:
+        return None

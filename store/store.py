@@ -35,11 +35,14 @@ from .codec import Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig
 from .errors import StoreError
+from .events import KINDS as EVENT_KINDS
+from .events import EventLog
 from .eviction import Evictor
+from .explain import explain_miss
 from .index import FORMAT_VERSION, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
-from .keys import Namespace, NamespaceRecord
+from .keys import Namespace, NamespaceRecord, prefix_ids
 from .metrics import Cell, Meter
 from .namespaces import Namespaces
 from .pins import Pins
@@ -54,6 +57,7 @@ from .types import (
     ChunkInfo,
     Compacted,
     Evicted,
+    Explanation,
     LookupResult,
     MaintenanceResult,
     Problem,
@@ -122,6 +126,10 @@ class Store:
             if config is None and restore["config"]:
                 config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
+        # events are written by whatever transaction makes the change they describe
+        self._events = EventLog(self._index, lambda: self.config.event_log_max)
+        if not readonly:
+            self._index.event_log = self._events
         self.codec = Codec(self.config.codec_level)
         for name in TIER_ORDER:
             if name in self.config.tiers:
@@ -483,7 +491,8 @@ class Store:
                 chunk = self.get(key, touch=False) if info is not None else None
                 return None if chunk is None or info is None else (chunk, info)
 
-            return self._sharing.move_here(keys, read, lambda ks: self.evict(ks), self.pin_refs, progress, dry_run)
+            return self._sharing.move_here(keys, read, lambda ks: self.evict(ks, reason="moved-remote"), self.pin_refs,
+                                           progress, dry_run)
         return self._writes.rewrite(keys, tier, codec, level, progress, dry_run)
 
     # -- reading ---------------------------------------------------------------------------
@@ -562,9 +571,11 @@ class Store:
         return self._reads.iter_chunks(prefix)
 
     # -- eviction and compaction -------------------------------------------------------------
-    def evict(self, keys: Iterable[bytes], force: bool = False) -> Evicted:
-        """Remove chunks by key; pinned ones only with ``force``. Returns (chunks, bytes)."""
-        return self._evictor.evict(keys, force)
+    def evict(self, keys: Iterable[bytes], force: bool = False, *, reason: str = "operator",
+              uid: int | None = None) -> Evicted:
+        """Remove chunks by key; pinned ones only with ``force``. Returns (chunks, bytes). The
+        event log records it with ``reason`` and the ``uid`` that asked (the daemon's peer)."""
+        return self._evictor.evict(keys, force, reason, uid)
 
     def compact(self, tier: str | None = None, min_dead_ratio: float | None = None,
                 until_free: int | None = None) -> Compacted:
@@ -607,7 +618,7 @@ class Store:
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, label: str, keys: Sequence[bytes], expected_bytes: int = 0, dry_run: bool = False,
-            journal: bool = True) -> int:
+            journal: bool = True, *, uid: int | None = None) -> int:
         """Pin ``keys`` under ``label``; keys need not be stored yet.
 
         ``expected_bytes`` is what each not-yet-stored chunk will take on disk; it
@@ -625,12 +636,13 @@ class Store:
                 raise StoreError(f"{remote} of these chunks are only in the remote tier ({self._sharing.url}), "
                                  "which cannot promise not to evict them; warm or move them into a local tier "
                                  "first, then pin")
-        return self._pins.pin(label, keys, expected_bytes, dry_run, journal)
+        return self._pins.pin(label, keys, expected_bytes, dry_run, journal, uid)
 
-    def unpin(self, label: str, keys: Sequence[bytes] | None = None) -> int:
+    def unpin(self, label: str, keys: Sequence[bytes] | None = None, *, uid: int | None = None) -> int:
         """Drop ``label``'s pins on ``keys`` (all of the label's keys when None).
-        Returns the number of pin references removed."""
-        return self._pins.unpin(label, keys)
+        Returns the number of pin references removed. Pins and unpins are logged as events,
+        with the ``uid`` that asked (the daemon passes its peer's)."""
+        return self._pins.unpin(label, keys, uid)
 
     def pin_refs(self, key: bytes) -> int:
         """How many labels pin ``key``."""
@@ -639,6 +651,65 @@ class Store:
     def labels(self) -> dict[str, list[bytes]]:
         """Every pin label and the keys it pins."""
         return self._pins.labels()
+
+    # -- the event log and explanations (store/events.py, store/explain.py) -----------------
+    def prefix_ids(self, tokens: Sequence[int], chunk_size: int, limit: int | None = None) -> list[bytes]:
+        """The id of the token prefix that each full chunk of ``tokens`` ends (of the first
+        ``limit`` chunks), the same in every namespace: give it with each chunk stored
+        (``PutItem.prefix``) so that ``explain`` can tell which namespaces hold a prefix.
+        Keyed with this store's secret (a hash of token ids that means nothing elsewhere);
+        empty for a store that has no secret yet (never opened for writing)."""
+        secret = self._ns.salt_key
+        return [] if secret is None else prefix_ids(tokens, chunk_size, secret, limit)
+
+    def explain(self, ns: Namespace, tokens: Sequence[int], found: LookupResult | None = None) -> Explanation | None:
+        """Why the first chunk of ``tokens`` that misses in ``ns`` misses (None: nothing
+        misses): a reason code (``never-stored``, ``other-adapter``, ``other-adapter-version``,
+        ``other-salt``, ``other-model``, ``other-model-fingerprint``, ``other-kv-format``,
+        ``evicted``, ``corrupt``, ``save-dropped``, ``remote-unavailable``) and a sentence,
+        from the event log, the namespaces that hold the same token prefix and the remote
+        tier's state. ``found``: the lookup already made."""
+        if found is None:
+            found = self.lookup(ns, tokens)
+        return explain_miss(self, ns, tokens, found, self._events, self._index, self._sharing)
+
+    def record_dropped_saves(self, drops: Sequence[tuple[bytes | None, str]], detail: str = "") -> None:
+        """Log saves an engine dropped (``(chunk key or None, reason)``: ``queue-full``,
+        ``disk-full``, ``failed``), in one write transaction for the whole batch: engines batch
+        them (``engine_hook.transfer.ChunkWriter``)."""
+        if not drops:
+            return
+        by_reason: dict[str, tuple[list[bytes], list[int]]] = {}
+        for key, why in drops:
+            keys, count = by_reason.setdefault(why, ([], [0]))
+            count[0] += 1
+            if key is not None:
+                keys.append(key)
+
+        def fn(t: Txn) -> None:
+            for why, (keys, count) in by_reason.items():
+                t.event("save-dropped", why, keys, chunks=count[0], detail=detail)
+
+        self._index.write(fn)
+
+    def events(self, since: float | None = None, kinds: Sequence[str] | None = None,
+               limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` events (0: all) of the store's bounded event log since the time
+        ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``),
+        oldest first. Each is a dict: ``seq``, ``time``, ``kind``, ``reason``, ``chunks``, and
+        as it applies ``key`` (the first chunk it names), ``tier``, ``bytes``, ``label``,
+        ``uid``, ``detail``."""
+        bad = sorted(set(kinds or ()) - set(EVENT_KINDS))
+        if bad:
+            raise StoreError(f"unknown event kind(s) {', '.join(bad)}; kinds are {', '.join(EVENT_KINDS)}")
+        return self._events.recent(since, kinds, limit)
+
+    def event_counters(self) -> dict[str, dict[str, int]]:
+        """Totals by event kind and reason, kept in the index beside the event log and never
+        dropped with it: ``{"evictions_total": {"lru": n, "retired": n, "operator": n, ...},
+        "corrupt_total": {...}, "saves_dropped_total": {"queue-full": n, "disk-full": n},
+        "pins_total": {...}, "unpins_total": {...}}`` (chunks; pin references for pins)."""
+        return self._events.counters()
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> StoreStats:

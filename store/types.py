@@ -11,14 +11,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class PutItem:
-    """One chunk to store: its key, payload, layout (dtype, shape), token count, and
-    codec (None: the store's default)."""
+    """One chunk to store: its key, payload, layout (dtype, shape), token count, codec
+    (None: the store's default) and the id of the token prefix it ends (``Store.prefix_ids``;
+    None: unknown), which lets ``Store.explain`` find it from another namespace."""
 
     key: bytes
     data: Buffer
     layout: dict[str, Any]
     tokens: int = 0
     codec: str | None = None
+    prefix: bytes | None = None
 
 
 @dataclass
@@ -161,3 +163,21 @@ class StoreStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Explanation:
+    """Why the first missing chunk of a lookup misses (``Store.explain``): the chunk's index,
+    first token and key, a reason code and a sentence for people, and the facts behind it
+    (``event``: the logged event; ``holder``: another namespace that holds the prefix)."""
+
+    chunk: int
+    token: int
+    key: bytes
+    reason: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chunk": self.chunk, "token": self.token, "key": self.key.hex(), "reason": self.reason,
+                "message": self.message, **self.details}

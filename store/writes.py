@@ -101,18 +101,19 @@ class Writes:
                 for i, p, seg, off, csum in done:
                     key = p.item.key
                     created, last, hits = p.created, p.created, 0
+                    prefix = p.item.prefix
                     cur = t.entry_raw(key)
                     if cur is not None:
                         old = (replace or {}).get(key)
                         e_cur = Entry.unpack(cur)
                         if old is None or (e_cur.seg, e_cur.off, e_cur.tier) != (old.seg, old.off, old.tier):
                             continue  # stored (or changed) meanwhile by another process; ours is dead space
-                        t.unindex_entry(key, e_cur)
+                        prefix = t.unindex_entry(key, e_cur) or prefix
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
                     e = Entry(seg, off, p.rec_len, p.stored_len, len(p.raw), csum,
                               p.item.tokens, hits, p.codec, st.tid, created, last, p.layout,
                               0 if p.codec == 0 else (codec.level if level is None else level))
-                    t.index_entry(key, e)
+                    t.index_entry(key, e, prefix)
                     results[i] = True
                     payload += e.stored_len
                 t.add("written_bytes", written)
@@ -146,7 +147,9 @@ class Writes:
                 if slot is None:
                     continue
                 seg, off, fd = slot
-                meta = {"layout": p.layout, "tokens": p.item.tokens}
+                meta: dict[str, Any] = {"layout": p.layout, "tokens": p.item.tokens}
+                if p.item.prefix:  # so that a rebuilt index knows it too
+                    meta["prefix"] = p.item.prefix.hex()
                 # hashing this record overlaps the disk writes of the previous ones
                 pw = st.io.start_write(fd, off, p.stored, functools.partial(
                     encode_trailer, p.item.key, p.codec, meta, p.stored_len, len(p.raw), created=p.created))

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from conftest import ROOT, fake_engine
-from test_daemon import TOKENS, Daemon, cj, cli, fill, tokens_file
+from test_daemon import OTHER, TOKENS, Daemon, cj, cli, fill, tokens_file
 
 #: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
-MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "chunk.layout", "chunks[].layout", "daemon.maintenance"}
+MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "chunk.layout", "chunks[].layout", "daemon.maintenance",
+        *(f"counters.{name}" for name in ("evictions_total", "corrupt_total", "saves_dropped_total", "pins_total",
+                                          "unpins_total"))}
 
 
 def documented() -> dict[str, Any]:
@@ -70,6 +72,10 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
                 "warm --manifest": cj(d, "warm", "--manifest", str(tmp_path / "m.json")),
                 "verify": cj(d, "verify"),
             }
+            full = tokens_file(tmp_path, OTHER, "other.json")  # never pinned
+            assert cli(d, "evict", "--key", cj(d, "lookup", "--tokens", full)["chunks"][1]["key"]).returncode == 0
+            got["lookup --explain"] = cj(d, "lookup", "--tokens", full, "--explain")
+            got["events"] = cj(d, "events")
     finally:
         d.stop()
     assert set(got) == set(docs), f"documented JSON without a check, or the reverse: {set(got) ^ set(docs)}"

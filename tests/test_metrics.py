@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -165,6 +166,35 @@ def test_exporter_over_http_after_engine_traffic(models: dict[str, Path], tmp_pa
     assert value(after, "lmctl_chunk_hits_total") == 2
 
 
+def test_exporter_shows_operator_work_and_the_event_totals(tmp_path: Path) -> None:
+    """Evictions, pins and a corrupt drop made through a real daemon show in its scrape, by
+    reason; a wrong scrape path is a 404, and the daemon carries on."""
+    from test_cli import ok
+    from test_daemon import TOKENS, fill, tokens_file
+
+    keys = fill(tmp_path / "store")
+    port = free_port()
+    d = Daemon(tmp_path / "store", extra=["--metrics", f"127.0.0.1:{port}"])
+    d.start()
+    try:
+        ok(d, "pin", "--label", "doc", "--tokens", tokens_file(tmp_path, TOKENS))
+        ok(d, "evict", "--key", keys[5].hex())
+        got = scrape(port)
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing-here", timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code in (404, 200)
+        assert ok(d, "status")["daemon"]["pid"] == d.proc.pid if d.proc else False
+    finally:
+        assert d.stop() == 0
+    assert value(got, "lmctl_evictions_total", reason="operator") == 1
+    assert value(got, "lmctl_pins_total", reason="pin") + value(got, "lmctl_pins_total", reason="operator") >= 4 or \
+        sum(v for (n, _), v in got.items() if n == "lmctl_pins_total") == 4
+    assert value(got, "lmctl_tier_chunks", tier="nvme") == 5
+    assert value(got, "lmctl_evicted_chunks_total") == 1
+    assert value(got, "lmctl_daemon_requests_total") >= 2
+
+
 # -- lmctl top ----------------------------------------------------------------------------------
 def engine_traffic(store: Path, lookups: int) -> None:
     """What an engine's scheduler counts, from another process on the store."""
@@ -226,9 +256,10 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_exporter_has() -> None:
     """docs/grafana-dashboard.json must not drift from lmctl/metrics.py."""
     import re
 
-    from lmctl.metrics import CELLS, STORE_COUNTERS
+    from lmctl.metrics import CELLS, EVENT_COUNTERS, STORE_COUNTERS
 
     known = {"lmctl_" + c for c in CELLS} | {m for m, _ in STORE_COUNTERS.values()} | {
+        m for m, _ in EVENT_COUNTERS.values()} | {
         "lmctl_tier_chunks", "lmctl_tier_bytes", "lmctl_tier_capacity_bytes", "lmctl_tier_pinned_bytes",
         "lmctl_tier_disk_bytes", "lmctl_write_amplification", "lmctl_daemon_jobs", "lmctl_daemon_requests_total",
         "lmctl_daemon_request_errors_total", "lmctl_remote_breaker_state"}

@@ -1,0 +1,189 @@
+"""The event log: what happened to chunks and pins, kept in the index, bounded.
+
+Events are written in the transaction that makes the change they describe (an eviction,
+a corrupt chunk dropped, a pin), so logging costs no transaction of its own; dropped
+saves, which change nothing in the index, arrive in batches (``Store.record_dropped_saves``).
+
+Rows of the ``events`` sub-database:
+
+=============================  ==============  ==============================================
+key                            value           what
+=============================  ==============  ==============================================
+``e`` + seq (BE u64)           event JSON      one event, oldest first
+``k`` + chunk key              seq (BE u64)    the latest event that names the chunk
+``r`` + seq (BE u64) + key     empty           the chunks an event names (to trim them)
+=============================  ==============  ==============================================
+
+Counters in ``meta``: ``c:event_seq`` (the last seq), ``c:events`` and ``c:event_keys``
+(rows kept) and ``c:ev:<kind>:<reason>``, the chunks (or pins) of every event ever added,
+which outlive the log: a metrics exporter reads them with ``Store.event_counters``.
+
+The log keeps at most ``event_log_max`` events and names at most ``KEYS_PER_EVENT`` times
+that many chunks; past either, the oldest events go first.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .index import Index, Txn
+
+#: event kinds and the name of each one's counter family
+METRICS = {"evict": "evictions_total", "corrupt": "corrupt_total", "save-dropped": "saves_dropped_total",
+           "pin": "pins_total", "unpin": "unpins_total"}
+KINDS = tuple(METRICS)
+#: chunks the log names per event, on average at most (an eviction may name many)
+KEYS_PER_EVENT = 16
+
+_BE64 = struct.Struct(">Q")
+
+
+def _event_row(seq: int) -> bytes:
+    return b"e" + _BE64.pack(seq)
+
+
+def _ref_row(seq: int, key: bytes = b"") -> bytes:
+    return b"r" + _BE64.pack(seq) + key
+
+
+def _key_row(key: bytes) -> bytes:
+    return b"k" + key
+
+
+class EventLog:
+    """The store's event log (see the module's docstring)."""
+
+    def __init__(self, index: Index, max_events: Callable[[], int]) -> None:
+        self.index = index
+        self._max = max_events
+
+    # -- writing (inside a write transaction) ---------------------------------------------
+    def add(self, t: Txn, kind: str, reason: str, keys: Sequence[bytes] = (), **fields: Any) -> None:
+        """Append an event in ``t``: ``kind`` and ``reason``, the chunks it names (``keys``),
+        and ``fields`` (``chunks``: how many it counts, when not ``len(keys)``; ``tier``,
+        ``label``, ``uid``, ``bytes``, ``detail`` ...; None values are left out)."""
+        db = self.index.events
+        bound = max(1, self._max())
+        key_bound = bound * KEYS_PER_EVENT
+        named = list(dict.fromkeys(bytes(k) for k in keys))[:key_bound]
+        count = int(fields.pop("chunks", len(keys)))
+        seq = t.add("event_seq", 1)
+        doc: dict[str, Any] = {"seq": seq, "time": round(time.time(), 6), "kind": kind, "reason": reason,
+                               "chunks": count}
+        doc.update((k, v) for k, v in fields.items() if v is not None and v != "")
+        if named:
+            doc["key"] = named[0].hex()
+        t.raw.put(_event_row(seq), json.dumps(doc, separators=(",", ":")).encode(), db=db)
+        packed = _BE64.pack(seq)
+        for k in sorted(named):  # in key order: neighbouring puts touch the same pages
+            t.raw.put(_key_row(k), packed, db=db)
+            t.raw.put(_ref_row(seq, k), b"", db=db)
+        events = t.add("events", 1)
+        refs = t.add("event_keys", len(named))
+        t.add(f"ev:{kind}:{reason}", count)
+        while events > bound or refs > key_bound:
+            cur = t.raw.cursor(db=db)
+            if not cur.set_range(b"e") or not bytes(cur.key()).startswith(b"e"):
+                break
+            oldest = int(_BE64.unpack(bytes(cur.key())[1:9])[0])
+            if oldest == seq:
+                break  # the event just added stays, however many chunks it names
+            refs -= self._drop(t, oldest)
+            events -= 1
+        t.set_counter("events", max(0, events))
+        t.set_counter("event_keys", max(0, refs))
+
+    def _drop(self, t: Txn, seq: int) -> int:
+        """Remove event ``seq`` and what it names; how many chunks it named."""
+        db = self.index.events
+        t.raw.delete(_event_row(seq), db=db)
+        lo = _ref_row(seq)
+        cur = t.raw.cursor(db=db)
+        named = []
+        if cur.set_range(lo):
+            for k in cur.iternext(values=False):
+                if not bytes(k).startswith(lo):
+                    break
+                named.append(bytes(k))
+        packed = _BE64.pack(seq)
+        for row in named:
+            t.raw.delete(row, db=db)
+            key = row[len(lo):]
+            if t.raw.get(_key_row(key), db=db) == packed:
+                t.raw.delete(_key_row(key), db=db)
+        return len(named)
+
+    # -- reading ----------------------------------------------------------------------------
+    def recent(self, since: float | None = None, kinds: Sequence[str] | None = None,
+             limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` events (0: all) since ``since`` (a time), of ``kinds`` (None:
+        all), oldest first. One read transaction, newest to oldest."""
+        db = self.index.events
+        out: list[dict[str, Any]] = []
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=db)
+            ok = cur.prev() if cur.set_range(b"f") else cur.last()
+            while ok:
+                k = bytes(cur.key())
+                if not k.startswith(b"e"):
+                    if k < b"e":
+                        break
+                    ok = cur.prev()
+                    continue
+                doc = _decode(cur.value())
+                if doc is not None:
+                    if since is not None and doc.get("time", 0) < since:
+                        break
+                    if kinds is None or doc.get("kind") in kinds:
+                        out.append(doc)
+                        if limit and len(out) >= limit:
+                            break
+                ok = cur.prev()
+        out.reverse()
+        return out
+
+    def latest(self, keys: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
+        """The latest event that names each of ``keys`` (where the log still has one)."""
+        db = self.index.events
+        out: dict[bytes, dict[str, Any]] = {}
+        with self.index.read() as t:
+            for k in keys:
+                seq = t.raw.get(_key_row(k), db=db)
+                if seq is None:
+                    continue
+                doc = _decode(t.raw.get(b"e" + bytes(seq), db=db))
+                if doc is not None:
+                    out[k] = doc
+        return out
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Every event counter: ``{"evictions_total": {"lru": 12, ...}, "corrupt_total": {...},
+        "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...}}`` (each
+        family present, empty when nothing was counted)."""
+        out: dict[str, dict[str, int]] = {name: {} for name in METRICS.values()}
+        prefix = b"c:ev:"
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=self.index.meta)
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    k = bytes(k)
+                    if not k.startswith(prefix):
+                        break
+                    kind, _, reason = k[len(prefix):].decode(errors="replace").partition(":")
+                    name = METRICS.get(kind, f"{kind.replace('-', '_')}_total")
+                    out.setdefault(name, {})[reason] = int(struct.unpack("<Q", bytes(v))[0])
+        return out
+
+
+def _decode(raw: bytes | memoryview | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(bytes(raw))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
