@@ -22,20 +22,22 @@ from .types import (
     Chunk,
     ChunkInfo,
     Compacted,
+    Counts,
     Evicted,
     LookupResult,
     MaintenanceResult,
     Problem,
     PutItem,
     RewriteResult,
+    StoreCounts,
     StoreStats,
     TierStats,
 )
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "DiskFullError",
-    "Evicted", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB", "Namespace",
-    "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig", "StoreError",
-    "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys", "open_shared", "parse_key",
-    "release_shared", "short_key",
+    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "Counts",
+    "DiskFullError", "Evicted", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB",
+    "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig",
+    "StoreCounts", "StoreError", "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys",
+    "open_shared", "parse_key", "release_shared", "short_key",
 ]
