@@ -35,6 +35,8 @@ side effects it already had.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -72,6 +74,7 @@ _ENTRY_HEAD = "<6Q2IB"  # seg, off, rec_len, stored_len, raw_len, checksum; toke
 _ENTRY = struct.Struct(_ENTRY_HEAD + "BB5xdd")  # then tier, level, padding, created, last_access
 ENTRY_TIER_OFFSET = struct.calcsize(_ENTRY_HEAD)  # the tier byte, read without unpacking an entry
 ENTRY_CODEC_OFFSET = struct.calcsize(_ENTRY_HEAD[:-1])  # the codec byte, likewise
+ENTRY_SIZE = _ENTRY.size  # the packed part of an entry (its layout JSON follows)
 # segs: seg id (BE) -> segment record
 _SEGMENT = struct.Struct("<BBxxIQQQd")
 SEG_OPEN, SEG_SEALED = 0, 1
@@ -208,6 +211,18 @@ class Entry:
     @property
     def tier_name(self) -> str:
         return TIER_NAMES[self.tier]
+
+
+@functools.cache
+def entry_dtype() -> Any:
+    """The packed part of an entry as a numpy record (for passes that decode many at once)."""
+    import numpy as np
+
+    dt = np.dtype([("seg", "<u8"), ("off", "<u8"), ("rec", "<u8"), ("stored", "<u8"), ("raw", "<u8"),
+                   ("checksum", "<u8"), ("tokens", "<u4"), ("hits", "<u4"), ("codec", "u1"), ("tier", "u1"),
+                   ("level", "u1"), ("pad", "V5"), ("created", "<f8"), ("last", "<f8")])
+    assert dt.itemsize == _ENTRY.size
+    return dt
 
 
 def entry_head(raw: bytes | memoryview) -> tuple[int, int, int, int, int] | None:
@@ -528,6 +543,13 @@ class Index:
         self._pid = os.getpid()
         self._closed = False
         self._grow_lock = threading.Lock()
+        self._madvise: Any = None
+        self._spans: tuple[int, list[tuple[int, ...]]] | None = None
+        if os.path.exists("/proc/self/maps"):
+            try:
+                self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+            except (OSError, AttributeError):
+                pass
         try:
             self.env = self._open()
         except lmdb.Error as exc:
@@ -567,6 +589,33 @@ class Index:
         return lmdb.open(self.path, map_size=MAP_SIZE, max_dbs=16, metasync=False, sync=True, readahead=False,
                          max_readers=512, readonly=False,
                          mode=DIR_MODE)  # the folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
+
+    def release_pages(self) -> None:
+        """Drop the index's mapped pages from this process's resident memory (they stay in
+        the page cache, and the next access maps them again at the cost of a minor fault).
+        A pass over every entry touches the whole map; without this the daemon would keep
+        it all resident. Safe at any time: the map is read-only (LMDB writes with pwrite)."""
+        if self._madvise is None or self._closed:
+            return
+        size = self.env.info()["map_size"]
+        if self._spans is None or self._spans[0] != size:  # the map moves when it grows
+            data = os.path.realpath(os.path.join(self.path, "data.mdb"))
+            try:
+                with open("/proc/self/maps") as f:
+                    found = [line.split()[0] for line in f if line.rstrip().endswith(" " + data)]
+            except OSError:
+                return
+            self._spans = (size, [tuple(int(x, 16) for x in span.split("-")) for span in found])
+        for lo, hi in self._spans[1]:
+            self._madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+
+    def resident_file_bytes(self) -> int:
+        """File-backed memory this process has resident (mostly the index's map)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[2]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def check_usable(self) -> None:
         if os.getpid() != self._pid:

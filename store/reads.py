@@ -171,6 +171,7 @@ class Reads:
         start, last = prefix, None
         if after is not None and after >= prefix:
             start, last = after, after
+        pages = 0
         while True:
             page: list[ChunkInfo] = []
             seen = 0
@@ -192,6 +193,9 @@ class Reads:
             if seen < PAGE or last is None:
                 return
             start = last
+            pages += 1
+            if pages % 16 == 0:  # a long listing would otherwise keep the whole map resident
+                self.index.release_pages()
 
     # -- payloads ------------------------------------------------------------------------
     def get(self, key: bytes, touch: bool = True) -> Chunk | None:

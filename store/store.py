@@ -629,6 +629,16 @@ class Store:
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
         return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats())
 
+    def release_memory(self, above: int = 0) -> bool:
+        """Drop the index's mapped pages from this process's resident memory when more than
+        ``above`` bytes of files are mapped in (they stay in the page cache; the next access
+        maps them again). A long-running process that reads much of a large index (the
+        daemon) calls it to keep its memory bounded. Returns whether it released."""
+        if self._closed or (above and self._index.resident_file_bytes() <= above):
+            return False
+        self._index.release_pages()
+        return True
+
     # -- recovery and checks -----------------------------------------------------------------
     def recover(self) -> list[Problem]:
         """Seal segments whose writer died (cutting bytes it never indexed), forget segments
