@@ -421,10 +421,12 @@ def _compressed(r: dict[str, Any]) -> str:
 
 
 @app.command("inspect")
-def inspect_(ctx: typer.Context, key: Annotated[str | None, typer.Option(
-        help="one chunk's metadata")] = None) -> None:
-    """Store statistics by tier, model, adapter and label, or one chunk's metadata."""
-    _request(ctx, "inspect", {"key": key} if key else {}, _show_inspect)
+@with_selectors
+def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
+    """Store statistics by tier, model, adapter and label, or one chunk's metadata (--key K).
+
+    With selectors, the statistics of the chunks they pick."""
+    _request(ctx, "inspect", sel, _show_inspect)
 
 
 def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
@@ -433,7 +435,10 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
                                               for k, v in r["chunk"].items()])
         return
     c = term.console()
-    c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
+    if "scope" in r:
+        c.print(f"selected: {r['chunks']} chunks, {human(r['bytes'])} on disk")
+    else:
+        c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
     _tiers(term, r["tiers"])
     if r["models"]:
         import time
@@ -456,18 +461,37 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
 @app.command("ls")
 @with_selectors
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
-        help="rows to list (0: all)", min=0)] = 100) -> None:
-    """List chunks matching a selector (all chunks without one)."""
-    _request(ctx, "ls", {**sel, "limit": limit}, _show_ls)
+        help="rows per page (0: all, in key order)", min=0)] = 100,
+        sort: Annotated[str, typer.Option(
+            help="key, age (oldest first), access (least recently used first) or size (largest first)")] = "key",
+        cursor: Annotated[str | None, typer.Option(
+            help="continue a listing where the last page ended (its 'next')")] = None) -> None:
+    """List chunks matching a selector (all chunks without one), a page at a time."""
+    _request(ctx, "ls", {**sel, "limit": limit, "sort": sort, **({"cursor": cursor} if cursor else {})}, _show_ls)
+
+
+def ago(seconds: float) -> str:
+    """A duration the way a listing shows it: 45s, 12m, 3h, 9d."""
+    s = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
 
 
 def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
+    import time
+
+    now = time.time()
     rows = [[chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
-             str(x["hits"]), x["adapter"] or "(base)"] for x in r["chunks"]]
-    term.table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "adapter"], rows,
-               {"bytes", "tokens", "pins", "hits"})
+             str(x["hits"]), ago(now - x["created"]), ago(now - x["last_access"]) + " ago",
+             x["adapter"] or "(base)"] for x in r["chunks"]]
+    term.table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age", "last access", "adapter"],
+               rows, {"bytes", "tokens", "pins", "hits", "age", "last access"})
     more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
     term.console().print(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
+    if r.get("next"):
+        term.console().print(f"next page: --cursor {r['next']}", soft_wrap=True)
 
 
 WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "fetched", "dry_run", "to",

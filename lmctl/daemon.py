@@ -47,6 +47,9 @@ MAX_CLIENTS = 64
 IDLE_TIMEOUT_S = 300.0
 #: a reply or progress frame the client does not take in within this long ends the connection
 WRITE_TIMEOUT_S = 30.0
+#: after a request, the index's mapped pages are dropped from the daemon's memory once more
+#: than this is resident (a lookup maps a few pages; a pass over a large index, all of them)
+RELEASE_ABOVE = 64 << 20
 #: fault injection for tests: seconds each progress step of a job takes
 _FAULT_STEP_DELAY = float(os.environ.get("LMCTL_FAULT_JOB_STEP_DELAY", "0") or 0)
 
@@ -609,6 +612,7 @@ class Daemon:
             log.exception("%s failed", cmd)
             return fail("failed", f"{cmd} failed: {type(exc).__name__}: {exc}")
         finally:
+            st.store.release_memory(above=RELEASE_ABOVE)
             with st.lock:
                 st.jobs.pop(job.id, None)
             with self._conns_lock:

@@ -8,27 +8,31 @@ means the operation failed (exit code 1).
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from store import ChunkInfo, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
+from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
 from store.keys import short_key
 
 from . import pinned_documents
 from .errors import Cancelled, UsageError
 from .selection import (
     Recorded,
+    Scope,
     arg,
     caller_uid,
     check_conflicts,
     configured_tier,
-    filter_chunks,
     filters_of,
     labelled_keys,
     namespace_filter,
     recorded_namespaces,
+    scope_of,
     select,
 )
 
@@ -148,30 +152,70 @@ def op_unpin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     return {"label": label, "chunks": target, "removed": removed, "dry_run": False}
 
 
+def _evict_scope(store: Store, args: dict[str, Any]) -> Scope | None:
+    """The scope of an evict or ls by filters (None: a document or explicit keys alone, which
+    are resolved to their keys as given)."""
+    check_conflicts(args)
+    if args.get("doc") is not None or (args.get("keys") and not filters_of(args)):
+        return None
+    only = select(store, {"keys": args["keys"]}).keys if args.get("keys") else None
+    return scope_of(store, args, only)
+
+
+#: chunks evicted per index transaction
+EVICT_BATCH = 256
+
+
 def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """Evict what a selector picks. Filters are counted (a dry run reads only the index's
+    counts) and streamed in key order, a batch per transaction: nothing holds the whole list."""
     force = arg(args, "force", bool, False)
     dry_run = arg(args, "dry_run", bool, False)
-    sel = select(store, args)
-    infos = [i for i in (store.info(k) for k in dict.fromkeys(sel.keys)) if i is not None]
-    pinned = [i for i in infos if i.pin_refs > 0]
-    victims = infos if force else [i for i in infos if i.pin_refs == 0]
-    out = {"chunks": len(victims), "bytes": sum(i.disk_bytes for i in victims),
-           "skipped_pinned": 0 if force else len(pinned), "pinned_removed": len(pinned) if force else 0,
-           "dry_run": dry_run}
-    if dry_run:
-        return out
-    n = b = pinned_removed = 0
-    total = len(victims)
-    for start in range(0, total, 256):
-        job.progress(start, total, "evicting")
-        batch = victims[start : start + 256]
-        got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
-        n += got.chunks
-        b += got.bytes
-        pinned_removed += sum(1 for i in batch if i.pin_refs > 0)
-    job.progress(total, total, "evicting")
-    out.update(chunks=n, bytes=b, pinned_removed=pinned_removed if force else 0)
-    return out
+    scope = _evict_scope(store, args)
+    if scope is None:
+        keys = list(dict.fromkeys(select(store, args).keys))
+        infos: Iterable[ChunkInfo] = (i for i in (store.info(k) for k in keys) if i is not None)
+        total = len(keys)
+    else:
+        if not filters_of(args) and scope.only is None:
+            select(store, args)  # no selector at all: the usage error that says how to choose
+        if dry_run and scope.countable:
+            c = scope.count(store)
+            victims = c if force else c.unpinned()
+            return {"chunks": victims.chunks, "bytes": victims.disk_bytes,
+                    "skipped_pinned": 0 if force else c.pinned_chunks,
+                    "pinned_removed": c.pinned_chunks if force else 0, "dry_run": True}
+        infos = scope.stream(store)
+        total = scope.count(store).chunks if scope.countable else 0
+    n = b = pinned_seen = 0
+    batch: list[ChunkInfo] = []
+
+    def flush() -> None:
+        nonlocal n, b, batch
+        if dry_run:
+            n += len(batch)
+            b += sum(i.disk_bytes for i in batch)
+        else:
+            got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
+            n += got.chunks
+            b += got.bytes
+        batch = []
+
+    for seen, info in enumerate(infos):
+        if seen % EVICT_BATCH == 0:
+            job.progress(seen, max(total, seen), "evicting")
+        if info.pin_refs > 0:
+            pinned_seen += 1
+            if not force:
+                continue
+        batch.append(info)
+        if len(batch) >= EVICT_BATCH:
+            flush()
+    if batch:
+        flush()
+    job.progress(max(total, n), max(total, n), "evicting")
+    return {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
+            "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
 
 
 def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any) -> dict[str, Any]:
@@ -353,43 +397,117 @@ def _names(store: Store) -> dict[bytes, tuple[str, str | None]]:
 
 
 LS_BATCH = 1000
+#: ``ls --sort``: the order of each (a key of the row, smallest first) and its cursor's value
+SORTS: dict[str, Callable[[ChunkInfo], tuple[Any, bytes]]] = {
+    "key": lambda c: (0, c.key),
+    "age": lambda c: (c.created, c.key),             # oldest first
+    "access": lambda c: (c.last_access, c.key),      # least recently used first
+    "size": lambda c: (-c.stored_bytes, c.key),      # largest first
+}
+
+
+def _cursor(sort: str, text: str | None) -> tuple[Any, bytes] | None:
+    """A listing's ``--cursor`` (what ``next`` said) as the sort key of the last row shown."""
+    if text is None:
+        return None
+    kind, _, rest = text.partition(":")
+    value, _, key_hex = rest.rpartition(":")
+    try:
+        key = parse_key(key_hex)
+        v: Any = 0 if kind == "key" else int(value) if kind == "size" else float(value)
+    except (StoreError, ValueError):
+        raise UsageError(f"--cursor {text!r} is not a cursor that ls printed (its 'next')") from None
+    if kind != sort:
+        raise UsageError(f"--cursor {text!r} continues a listing sorted by {kind}, not by {sort}: "
+                         f"give --sort {kind}")
+    return v, key
+
+
+def _next(sort: str, c: ChunkInfo) -> str:
+    v = SORTS[sort](c)[0]
+    return f"{sort}:{'' if sort == 'key' else repr(v)}:{c.key.hex()}"
 
 
 def op_ls(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
-    """Rows are streamed to the client in batches (``job.emit``), so a listing of any size
-    fits the protocol's frame limit; the reply carries the totals."""
+    """A page of the selected chunks (``limit`` rows; 0: all, in key order only) in ``sort``
+    order, from ``cursor`` on; ``next`` is the cursor of the following page (None at the end).
+    Rows stream to the client in batches (``job.emit``); totals come from the index's counts
+    where the selector allows, else from the stream. Memory: a page, never the whole list
+    (a sort other than by key keeps the page's rows in a bounded heap while it reads all)."""
     limit = arg(args, "limit", int, 100)
+    sort = arg(args, "sort", str, "key")
     if limit < 0:
         raise UsageError("--limit must be 0 (all) or a positive number of rows")
-    infos: Iterable[ChunkInfo]
-    check_conflicts(args)
-    if args.get("doc") is not None or (args.get("keys") and not filters_of(args)):
-        infos = (i for i in (store.info(k) for k in select(store, args).keys) if i is not None)
-    elif filters_of(args):
-        infos = filter_chunks(store, args, select(store, {"keys": args["keys"]}).keys if args.get("keys") else None)
-    else:
-        infos = store.iter_chunks()
+    if sort not in SORTS:
+        raise UsageError(f"--sort must be one of {', '.join(SORTS)}, not {sort!r}")
+    if limit == 0 and sort != "key":
+        raise UsageError(f"--sort {sort} needs --limit N (rows per page; --cursor pages on)")
+    after = _cursor(sort, arg(args, "cursor", str))
+    scope = _evict_scope(store, args)
+    sk = SORTS[sort]
+    total = nbytes = 0
+    counted = scope is not None and scope.countable
+    if counted:
+        assert scope is not None
+        whole = scope.count(store)
+        total, nbytes = whole.chunks, whole.bytes
+
+    def selected() -> Iterator[ChunkInfo]:
+        nonlocal total, nbytes
+        if scope is None:
+            source: Iterable[ChunkInfo] = (i for i in (store.info(k) for k in dict.fromkeys(select(store, args).keys))
+                                           if i is not None)
+        else:
+            source = scope.stream(store, after[1] if after is not None and sort == "key" and scope.only is None
+                                  else None)
+        for n, i in enumerate(source):
+            if not counted:
+                total += 1
+                nbytes += i.stored_bytes
+            if n % 4096 == 4095:
+                job.progress(n + 1, total if counted else 0, "listing")
+            if after is None or sk(i) > after:
+                yield i
+
     names = _names(store)
+    rows = selected()
+    page: Iterable[ChunkInfo]
+    if sort == "key":
+        page = rows if limit == 0 else itertools.islice(rows, limit + 1)
+    else:
+        page = heapq.nsmallest(limit + 1, rows, key=sk)  # a heap of limit + 1 rows
     batch: list[dict[str, Any]] = []
-    total = nbytes = shown = 0
-    for c in infos:
-        total += 1
-        nbytes += c.stored_bytes
-        if limit == 0 or shown < limit:
-            batch.append(_info_json(c, names))
-            shown += 1
-            if len(batch) >= LS_BATCH:
-                job.emit(batch)
-                batch = []
-        if total % 4096 == 0:
-            job.progress(total, 0, "listing")
+    shown = 0
+    last: ChunkInfo | None = None
+    more = False
+    for c in page:
+        if limit and shown >= limit:
+            more = True
+            break
+        batch.append(_info_json(c, names))
+        shown += 1
+        last = c
+        if len(batch) >= LS_BATCH:
+            job.emit(batch)
+            batch = []
     if batch:
         job.emit(batch)
-    return {"chunks": [], "total": total, "bytes": nbytes, "truncated": total > shown}
+    if not counted:
+        for _ in rows:  # the rest of the selection, counted for the totals
+            pass
+    return {"chunks": [], "total": total, "bytes": nbytes, "truncated": more, "sort": sort,
+            "next": _next(sort, last) if more and last is not None else None}
 
 
 def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
+    """One chunk's metadata (``key``, or one ``keys`` alone), or the store's statistics by
+    tier, model, adapter and label, from the index's counts; with selectors, of the chunks
+    they pick (``scope``) only."""
     key = arg(args, "key", str)
+    keys = arg(args, "keys", list, [])
+    sel = {k: v for k, v in args.items() if k != "key"}
+    if key is None and len(keys) == 1 and not filters_of(sel) and sel.get("doc") is None:
+        key = str(keys[0])
     if key is not None:
         try:
             k = parse_key(key)
@@ -398,22 +516,35 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         info = store.info(k)
         if info is None:
             raise StoreError(f"no chunk {short_key(k)}… ({key}) in this store")
-        out = _info_json(info, _names(store))
-        out["labels"] = sorted(label for label, ks in store.labels().items() if k in set(ks))
-        return {"chunk": out}
+        row = _info_json(info, _names(store))
+        row["labels"] = store.key_labels(k)
+        return {"chunk": row}
     st = store.stats()
-    recorded = recorded_namespaces(store)
+    counts = store.counts()
+    scoped = bool(filters_of(sel) or keys or sel.get("doc") is not None)
+    scope = None
+    if scoped:
+        scope = _evict_scope(store, sel)
+        if scope is None:  # a document or explicit keys: their chunks, counted here
+            scope = scope_of(store, {}, list(dict.fromkeys(select(store, sel).keys)))
+        by_ns = scope.by_namespace(store)
+    else:
+        by_ns = counts.namespaces
+    recorded = {r.nid: r for r in recorded_namespaces(store)}
     retired = store.retired_namespaces()
-    adapters: dict[str, dict[str, Any]] = {}
+    adapters: dict[str, dict[str, Any]] = {}  # by model and adapter: two models' base chunks are two rows
     models: dict[tuple[str, str | None], dict[str, Any]] = {}
-    for r in recorded:
+    for nid in recorded.keys() | by_ns.keys():
         n = b = 0
-        for c in store.iter_chunks(r.nid):
-            n += 1
-            b += c.stored_bytes
+        for c in by_ns.get(nid, {}).values():
+            n += c.chunks
+            b += c.bytes
+        r = recorded.get(nid)
+        if r is None or (scoped and not n):
+            continue  # chunks of a namespace never recorded are counted in the tiers only
         ns = r.ns
         name = "(base)" if ns.adapter is None else str(ns.adapter)
-        a = adapters.setdefault(name, {"adapter": None if ns.adapter is None else str(ns.adapter),
+        a = adapters.setdefault(f"{ns.model}\0{name}", {"adapter": None if ns.adapter is None else str(ns.adapter),
                                        "name": None if ns.adapter is None else ns.adapter.name,
                                        "model": ns.model, "chunks": 0, "bytes": 0})
         a["chunks"] += n
@@ -424,17 +555,38 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         m["chunks"] += n
         m["bytes"] += b
         m["last_used"] = max(m["last_used"], r.updated)
-        m["retired"] = m["retired"] and r.nid in retired
-    labels = {label: len(ks) for label, ks in sorted(store.labels().items())}
+        m["retired"] = m["retired"] and nid in retired
+    labels = dict(sorted(counts.label_keys.items()))
     tiers = {name: {"chunks": t.chunks, "bytes": t.bytes, "capacity": t.capacity,
                     "disk_bytes": t.disk_bytes, "dead_bytes": t.dead_bytes, "segments": t.segments,
-                    "pinned_bytes": t.pinned_bytes, "pin_budget": t.pin_budget}
+                    "pinned_bytes": t.pinned_bytes, "pinned_chunks": t.pinned_chunks, "pin_budget": t.pin_budget}
              for name, t in st.tiers.items()}
+    extra: dict[str, Any] = {}
+    if scope is not None:
+        # the selected chunks per tier (bytes on disk, as the store's tier rows count them)
+        for name, t in tiers.items():
+            c = Counts()
+            for per_tier in by_ns.values():
+                if name in per_tier:
+                    c.add(per_tier[name])
+            t.update(chunks=c.chunks, bytes=c.disk_bytes, pinned_bytes=c.pinned_disk_bytes,
+                     pinned_chunks=c.pinned_chunks)
+            for gone in ("disk_bytes", "dead_bytes", "segments"):
+                t.pop(gone)
+        # the labels' stored chunks within the selection (filters the counts answer)
+        labels = {}
+        if scope.countable and scope.pinned is not False:
+            for label in counts.label_keys:
+                if scope.label in (None, label):
+                    n = dataclasses.replace(scope, label=label).count(store).chunks
+                    if n:
+                        labels[label] = n
+        extra["scope"] = {k: v for k, v in sel.items() if k != "doc"} | ({"doc": True} if "doc" in sel else {})
     return {
         "chunks": sum(t["chunks"] for t in tiers.values()), "bytes": sum(t["bytes"] for t in tiers.values()),
         "tiers": tiers, "adapters": sorted(adapters.values(), key=lambda a: (a["model"], a["adapter"] or "")),
         "models": sorted(models.values(), key=lambda m: (m["model"], -m["last_used"])), "labels": labels,
-        "counters": st.counters, "write_amplification": round(st.write_amplification, 6),
+        "counters": st.counters, "write_amplification": round(st.write_amplification, 6), **extra,
     }
 
 

@@ -14,11 +14,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from store import AdapterIdentity, ChunkInfo, Namespace, Store, StoreError, adapter_digest, parse_key
+from store import AdapterIdentity, ChunkInfo, Counts, Namespace, Store, StoreError, adapter_digest, parse_key
 
 from .errors import UsageError
 
@@ -298,8 +298,96 @@ def namespace_filter(recorded: list[Recorded], args: dict[str, Any]) -> Namespac
                             and (adapter is None or r.ns.adapter == adapter)])
 
 
-def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
-    """The stored chunks (of ``only``, when given) that every filter of ``args`` lets through."""
+@dataclass
+class Scope:
+    """What a selector's filters pick, in a form that is counted from the index's counts
+    (``countable``: namespaces, a label, a tier, pinned or not) or streamed in key order,
+    a page at a time (never the whole list in memory)."""
+
+    prefixes: list[bytes] | None  # namespace ids (None: every namespace)
+    label: str | None
+    tier: str | None
+    pinned: bool | None
+    cutoff: float | None  # last used before this time (``--older-than``)
+    only: list[bytes] | None  # explicit keys (``--key``), in the order given
+
+    @property
+    def countable(self) -> bool:
+        return self.cutoff is None and self.only is None
+
+    def by_namespace(self, store: Store) -> dict[bytes, dict[str, Counts]]:
+        """The selected chunks counted per namespace id and tier: from the index's counts when
+        ``countable``, else by streaming the selection."""
+        if not self.countable:
+            out: dict[bytes, dict[str, Counts]] = {}
+            for c in self.stream(store):
+                pinned = c.pin_refs > 0
+                out.setdefault(c.key[:16], {}).setdefault(c.tier, Counts()).add(Counts(
+                    1, c.stored_bytes, c.disk_bytes, int(pinned), c.stored_bytes * pinned, c.disk_bytes * pinned))
+            return out
+        counts = store.counts()
+        src = counts.namespaces if self.label is None else counts.labels.get(self.label, {})
+        wanted = None if self.prefixes is None else set(self.prefixes)
+        picked: dict[bytes, dict[str, Counts]] = {}
+        for nid, tiers in src.items():
+            if wanted is not None and nid not in wanted:
+                continue
+            for tier, kept in tiers.items():
+                if self.tier is not None and tier != self.tier:
+                    continue
+                n = kept if self.pinned is None else kept.pinned() if self.pinned else kept.unpinned()
+                if n.chunks:
+                    picked.setdefault(nid, {})[tier] = n
+        return picked
+
+    def count(self, store: Store) -> Counts:
+        out = Counts()
+        for tiers in self.by_namespace(store).values():
+            for c in tiers.values():
+                out.add(c)
+        return out
+
+    def stream(self, store: Store, after: bytes | None = None) -> Iterator[ChunkInfo]:
+        """The selected chunks in key order (explicit keys: in their order), after ``after``."""
+        wanted = None if self.prefixes is None else set(self.prefixes)
+
+        def source() -> Iterator[ChunkInfo]:
+            if self.only is not None:
+                for k in self.only:
+                    info = store.info(k)
+                    if info is not None:
+                        yield info
+            elif self.label is not None:
+                for c in store.iter_labelled(self.label, after):
+                    if wanted is None or c.key[:16] in wanted:
+                        yield c
+            elif self.prefixes is not None:
+                for p in sorted(self.prefixes):
+                    yield from store.iter_chunks(p, after)
+            else:
+                yield from store.iter_chunks(b"", after)
+
+        label_keys = None
+        if self.only is not None and self.label is not None:
+            label_keys = set(labelled_keys(store, self.label))
+        for c in source():
+            if label_keys is not None and c.key not in label_keys:
+                continue
+            if wanted is not None and self.only is not None and c.key[:16] not in wanted:
+                continue
+            if self.tier is not None and c.tier != self.tier:
+                continue
+            if self.cutoff is not None and c.last_access > self.cutoff:
+                continue
+            if self.pinned is True and c.pin_refs == 0:
+                continue
+            if self.pinned is False and c.pin_refs > 0:
+                continue
+            yield c
+
+
+def scope_of(store: Store, args: dict[str, Any], only: list[bytes] | None = None) -> Scope:
+    """The ``Scope`` of ``args``' filters (of ``only``'s chunks, when given)."""
     recorded = recorded_namespaces(store)
     label = arg(args, "label", str)
     tier = arg(args, "tier", str)
@@ -311,37 +399,13 @@ def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) 
         raise UsageError("--older-than must not be negative")
     if tier is not None:
         configured_tier(store, tier, "--tier")
+    if label is not None and label not in store.counts().label_keys:
+        labelled_keys(store, label)  # an unknown label is a usage error naming the known ones
     where = namespace_filter(recorded, args)
-    prefixes = None if where is None else where.prefixes
-    label_keys = None if label is None else set(labelled_keys(store, label))
-    cutoff = time.time() - older if older is not None else None
+    return Scope(None if where is None else where.prefixes, label, tier, pinned,
+                 time.time() - older if older is not None else None, only)
 
-    def source() -> Iterable[ChunkInfo]:
-        if only is not None:
-            for k in only:
-                info = store.info(k)
-                if info is not None:
-                    yield info
-        elif label_keys is not None and prefixes is None:
-            for k in sorted(label_keys):
-                info = store.info(k)
-                if info is not None:
-                    yield info
-        elif prefixes is not None:
-            for p in prefixes:
-                yield from store.iter_chunks(p)
-        else:
-            yield from store.iter_chunks()
 
-    for c in source():
-        if label_keys is not None and c.key not in label_keys:
-            continue
-        if tier is not None and c.tier != tier:
-            continue
-        if cutoff is not None and c.last_access > cutoff:
-            continue
-        if pinned is True and c.pin_refs == 0:
-            continue
-        if pinned is False and c.pin_refs > 0:
-            continue
-        yield c
+def filter_chunks(store: Store, args: dict[str, Any], only: list[bytes] | None) -> Iterable[ChunkInfo]:
+    """The stored chunks (of ``only``, when given) that every filter of ``args`` lets through."""
+    return scope_of(store, args, only).stream(store)

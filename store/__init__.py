@@ -22,6 +22,7 @@ from .types import (
     Chunk,
     ChunkInfo,
     Compacted,
+    Counts,
     Evicted,
     Explanation,
     LookupResult,
@@ -29,14 +30,15 @@ from .types import (
     Problem,
     PutItem,
     RewriteResult,
+    StoreCounts,
     StoreStats,
     TierStats,
 )
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "DiskFullError",
-    "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult", "MaintenanceResult", "MiB",
-    "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem", "RewriteResult", "Store", "StoreConfig",
-    "StoreError", "StoreStats", "TierConfig", "TierStats", "adapter_digest", "chunk_keys", "open_shared", "parse_key",
-    "release_shared", "short_key",
+    "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "Counts",
+    "DiskFullError", "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult",
+    "MaintenanceResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
+    "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats", "TierConfig", "TierStats",
+    "adapter_digest", "chunk_keys", "open_shared", "parse_key", "release_shared", "short_key",
 ]

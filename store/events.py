@@ -124,6 +124,8 @@ class EventLog:
         all), oldest first. One read transaction, newest to oldest."""
         db = self.index.events
         out: list[dict[str, Any]] = []
+        if not self.index.has_events:
+            return out
         with self.index.read() as t:
             cur = t.raw.cursor(db=db)
             ok = cur.prev() if cur.set_range(b"f") else cur.last()
@@ -150,6 +152,8 @@ class EventLog:
         """The latest event that names each of ``keys`` (where the log still has one)."""
         db = self.index.events
         out: dict[bytes, dict[str, Any]] = {}
+        if not self.index.has_events:
+            return out
         with self.index.read() as t:
             for k in keys:
                 seq = t.raw.get(_key_row(k), db=db)

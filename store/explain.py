@@ -95,7 +95,9 @@ def differences(asked: Namespace, asked_salt: str | None, rec: NamespaceRecord) 
 def holders(index: Index, prefix: bytes) -> list[bytes]:
     """Keys of the stored chunks, in any namespace, that end the token prefix ``prefix``."""
     lo = prefix_row(prefix)
-    out = []
+    out: list[bytes] = []
+    if not index.has_events:
+        return out
     with index.read() as t:
         cur = t.raw.cursor(db=index.prefixes)
         if cur.set_range(lo):

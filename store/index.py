@@ -17,7 +17,17 @@ namespaces  namespace id (16 bytes)                     namespace record JSON
 prefixes    ``p`` + prefix id (16) + namespace id (16)  chunk key: which namespaces hold a
             ``k`` + chunk key                           token prefix, and back (explain)
 events      (see ``store/events.py``)                   the bounded event log
+keylabels   chunk key + label                           empty (the labels pinning a key)
+counts      ``n`` + namespace id + tier (1)             ``Counts`` of the namespace's chunks in
+                                                        the tier (packed u64s)
+            ``l`` + label + NUL + namespace id + tier   ``Counts`` of the label's stored chunks
+            ``k`` + label                               keys the label pins (u64), stored or not
 ==========  ==========================================  =====================================
+
+``counts`` is kept in step with ``chunks`` by the same transactions (``Txn.index_entry``,
+``unindex_entry``, ``pin_label``, ``unpin_label``), so operator statistics never scan the
+chunks; ``Store.check`` recounts it. Stores of format 1 had no ``counts``/``keylabels``:
+they are built once when such a store is first opened for writing (then format 2).
 
 Every write goes through ``Index.transact()``: it hands out a ``Txn`` that carries the
 LMDB transaction, the segment files to remove once it has committed, and what to undo
@@ -28,12 +38,15 @@ side effects it already had.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,7 +57,7 @@ from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexWriteError, StoreError
 from .private import DIR_MODE
-from .segment import ALIGN, RecordTrailer, record_len
+from .segment import ALIGN, RecordTrailer, align_up, record_len
 
 if TYPE_CHECKING:
     from .events import EventLog
@@ -58,19 +71,24 @@ MAP_SIZE = 64 << 30
 GROW_AT = 0.5
 #: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
 MAX_CHUNK_BYTES = 1 << 34
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: formats this lmctl opens (a format-1 store gets its counts built at its first writable open)
+FORMATS = (1, 2)
 
 # chunks: key -> entry (+ layout JSON)
 _ENTRY_HEAD = "<6Q2IB"  # seg, off, rec_len, stored_len, raw_len, checksum; tokens, hits; codec
 _ENTRY = struct.Struct(_ENTRY_HEAD + "BB5xdd")  # then tier, level, padding, created, last_access
 ENTRY_TIER_OFFSET = struct.calcsize(_ENTRY_HEAD)  # the tier byte, read without unpacking an entry
 ENTRY_CODEC_OFFSET = struct.calcsize(_ENTRY_HEAD[:-1])  # the codec byte, likewise
+ENTRY_SIZE = _ENTRY.size  # the packed part of an entry (its layout JSON follows)
 # segs: seg id (BE) -> segment record
 _SEGMENT = struct.Struct("<BBxxIQQQd")
 SEG_OPEN, SEG_SEALED = 0, 1
 # pins: key -> refs, reserved bytes (expected size while the chunk is not stored)
 _PIN = struct.Struct("<IQ")
 _U64 = struct.Struct("<Q")
+# counts: chunks, stored bytes, disk bytes, pinned chunks, pinned stored bytes, pinned disk bytes
+_COUNTS = struct.Struct("<6Q")
 _BE64 = struct.Struct(">Q")
 
 
@@ -109,6 +127,29 @@ def prefix_row(prefix: bytes, key: bytes = b"") -> bytes:
 def prefix_back(key: bytes) -> bytes:
     """The ``prefixes`` row that gives a chunk's prefix id back."""
     return b"k" + key
+def ns_count_key(nid: bytes, tier: int) -> bytes:
+    return b"n" + nid + bytes([tier])
+
+
+def label_count_key(label: bytes, nid: bytes, tier: int) -> bytes:
+    return b"l" + label + b"\0" + nid + bytes([tier])
+
+
+def label_keys_key(label: bytes) -> bytes:
+    return b"k" + label
+
+
+def pack_counts(c: tuple[int, ...] | list[int]) -> bytes:
+    return _COUNTS.pack(*c)
+
+
+def unpack_counts(raw: bytes | memoryview) -> tuple[int, ...]:
+    return tuple(_COUNTS.unpack(raw))
+
+
+def entry_delta(e: Entry, pinned: bool) -> tuple[int, int, int, int, int, int]:
+    """What one chunk adds to a ``counts`` record."""
+    return (1, e.stored_len, e.rec_len) + ((1, e.stored_len, e.rec_len) if pinned else (0, 0, 0))
 
 
 def counter_key(name: str) -> bytes:
@@ -185,6 +226,37 @@ class Entry:
     @property
     def tier_name(self) -> str:
         return TIER_NAMES[self.tier]
+
+
+@functools.cache
+def entry_dtype() -> Any:
+    """The packed part of an entry as a numpy record (for passes that decode many at once)."""
+    import numpy as np
+
+    dt = np.dtype([("seg", "<u8"), ("off", "<u8"), ("rec", "<u8"), ("stored", "<u8"), ("raw", "<u8"),
+                   ("checksum", "<u8"), ("tokens", "<u4"), ("hits", "<u4"), ("codec", "u1"), ("tier", "u1"),
+                   ("level", "u1"), ("pad", "V5"), ("created", "<f8"), ("last", "<f8")])
+    assert dt.itemsize == _ENTRY.size
+    return dt
+
+
+def entry_head(raw: bytes | memoryview) -> tuple[int, int, int, int, int] | None:
+    """(segment, offset, record length, stored length, tier) of a packed entry, checked as
+    ``Entry.unpack`` checks it but without decoding its layout (only that it is framed as a
+    JSON object): what a pass over every entry needs, at a fraction of the cost. None for an
+    entry that cannot be decoded."""
+    try:
+        f = _ENTRY.unpack_from(raw, 0)
+    except struct.error:
+        return None
+    n = len(raw)
+    if n > _ENTRY.size and (raw[_ENTRY.size] != 0x7B or raw[n - 1] != 0x7D):  # { ... }
+        return None
+    if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not (0 <= f[11] < 1.8e10 and 0 <= f[12] < 1.8e10):
+        return None
+    if max(f[2], f[3], f[4]) >= MAX_CHUNK_BYTES or f[1] % ALIGN or f[2] % ALIGN:
+        return None
+    return f[0], f[1], f[2], f[3], f[9]
 
 
 @dataclass
@@ -337,6 +409,7 @@ class Txn:
             self.add(f"pinned:{tname}", e.rec_len)
             self.add("pin_reserved", -reserved)
             self.raw.put(key, _PIN.pack(refs, 0), db=self.index.pins)
+        self._count_entry(key, e, 1, refs > 0)
 
     def unindex_entry(self, key: bytes, e: Entry) -> bytes | None:
         """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing
@@ -354,6 +427,7 @@ class Txn:
             self.add(f"pinned:{tname}", -e.rec_len)
             self.add("pin_reserved", e.rec_len)
             self.raw.put(key, _PIN.pack(refs, e.rec_len), db=self.index.pins)
+        self._count_entry(key, e, -1, refs > 0)
         seg = self.segment(e.seg)
         if seg is None:
             return prefix
@@ -382,6 +456,94 @@ class Txn:
         self.raw.delete(prefix_back(key), db=self.index.prefixes)
         self.raw.delete(prefix_row(prefix, key), db=self.index.prefixes)
         return prefix
+
+    # counts (the ``counts`` sub-database) and the labels of a key (``keylabels``)
+    def bump(self, ck: bytes, delta: Sequence[int], sign: int = 1) -> None:
+        """Add ``sign * delta`` to the ``Counts`` record ``ck`` (a record at zero is removed)."""
+        raw = self.raw.get(ck, db=self.index.counts)
+        cur = list(_COUNTS.unpack(raw)) if raw is not None and len(raw) == _COUNTS.size else [0] * 6
+        for i, d in enumerate(delta):
+            cur[i] += sign * d
+        if min(cur) < 0:
+            log.warning("count %r went negative (%s); clamping, run verify to recount", ck, cur)
+            cur = [max(0, v) for v in cur]
+        if any(cur):
+            self.raw.put(ck, _COUNTS.pack(*cur), db=self.index.counts)
+        elif raw is not None:
+            self.raw.delete(ck, db=self.index.counts)
+
+    def _bump_u64(self, ck: bytes, delta: int) -> None:
+        raw = self.raw.get(ck, db=self.index.counts)
+        v = max(0, (int(_U64.unpack(raw)[0]) if raw is not None and len(raw) == _U64.size else 0) + delta)
+        if v:
+            self.raw.put(ck, _U64.pack(v), db=self.index.counts)
+        elif raw is not None:
+            self.raw.delete(ck, db=self.index.counts)
+
+    def labels_of(self, key: bytes) -> list[bytes]:
+        """The labels that pin ``key``."""
+        out: list[bytes] = []
+        cur = self.raw.cursor(db=self.index.keylabels)
+        if cur.set_range(key):
+            for k in cur.iternext(values=False):
+                if k[: len(key)] != key:
+                    break
+                out.append(bytes(k[len(key):]))
+        return out
+
+    def _count_entry(self, key: bytes, e: Entry, sign: int, pinned: bool) -> None:
+        d = entry_delta(e, pinned)
+        self.bump(ns_count_key(key[:16], e.tier), d, sign)
+        if pinned:
+            for label in self.labels_of(key):
+                self.bump(label_count_key(label, key[:16], e.tier), d, sign)
+
+    def pin_label(self, label: bytes, key: bytes, expected: int) -> bool:
+        """Pin ``key`` under ``label`` (False: it already was). A key not stored yet reserves
+        ``expected`` bytes (rounded up to whole blocks) until it arrives."""
+        lk = label_key(label, key)
+        if self.raw.get(lk, db=self.index.labels) is not None:
+            return False
+        self.raw.put(lk, _BE64.pack(int(time.time())), db=self.index.labels)
+        self.raw.put(key + label, b"", db=self.index.keylabels)
+        self._bump_u64(label_keys_key(label), 1)
+        refs, reserved = self.pin(key)
+        e = self.entry(key)
+        if refs == 0:
+            if e is not None:
+                self.add(f"pinned:{e.tier_name}", e.rec_len)
+                self.bump(ns_count_key(key[:16], e.tier), (0, 0, 0, 1, e.stored_len, e.rec_len))
+            else:
+                reserved = align_up(expected) if expected else 0
+                self.add("pin_reserved", reserved)
+        if e is not None:
+            self.bump(label_count_key(label, key[:16], e.tier), entry_delta(e, True))
+        self.raw.put(key, _PIN.pack(refs + 1, reserved), db=self.index.pins)
+        return True
+
+    def unpin_label(self, label: bytes, key: bytes) -> bool:
+        """Drop ``label``'s pin on ``key`` (False: it had none)."""
+        if not self.raw.delete(label_key(label, key), db=self.index.labels):
+            return False
+        self.raw.delete(key + label, db=self.index.keylabels)
+        self._bump_u64(label_keys_key(label), -1)
+        e = self.entry(key)
+        if e is not None:
+            self.bump(label_count_key(label, key[:16], e.tier), entry_delta(e, True), -1)
+        raw = self.raw.get(key, db=self.index.pins)
+        if raw is None:
+            return True
+        refs, reserved = unpack_pin(raw)
+        if refs <= 1:
+            self.raw.delete(key, db=self.index.pins)
+            if e is not None:
+                self.add(f"pinned:{e.tier_name}", -e.rec_len)
+                self.bump(ns_count_key(key[:16], e.tier), (0, 0, 0, 1, e.stored_len, e.rec_len), -1)
+            else:
+                self.add("pin_reserved", -reserved)
+        else:
+            self.raw.put(key, _PIN.pack(refs - 1, reserved), db=self.index.pins)
+        return True
 
     def touch_entry(self, key: bytes, last_access: float, hits: int) -> None:
         """Move ``key`` in LRU order to ``last_access`` (never back) and add ``hits``."""
@@ -420,6 +582,13 @@ class Index:
         self._pid = os.getpid()
         self._closed = False
         self._grow_lock = threading.Lock()
+        self._madvise: Any = None
+        self._spans: tuple[int, list[tuple[int, ...]]] | None = None
+        if os.path.exists("/proc/self/maps"):
+            try:
+                self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+            except (OSError, AttributeError):
+                pass
         try:
             self.env = self._open()
         except lmdb.Error as exc:
@@ -434,10 +603,30 @@ class Index:
         self.pins = self.env.open_db(b"pins")
         self.labels = self.env.open_db(b"labels")
         self.ns = self.env.open_db(b"namespaces")
-        self.prefixes = self.env.open_db(b"prefixes")
-        self.events = self.env.open_db(b"events")
+        #: whether the index has the ``prefixes`` and ``events`` sub-databases (a store written
+        #: before them, opened read-only, has not: it has no events and no prefix ids)
+        self.has_events = True
+        try:
+            self.prefixes = self.env.open_db(b"prefixes")
+            self.events = self.env.open_db(b"events")
+        except lmdb.Error:
+            if not readonly:
+                raise
+            self.has_events = False
+            self.prefixes = self.events = self.meta  # never read: every reader checks has_events
         #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
         self.event_log: EventLog | None = None
+        #: whether the index has the ``counts`` and ``keylabels`` sub-databases (a format-1
+        #: store opened read-only has not)
+        self.has_counts = True
+        try:
+            self.keylabels = self.env.open_db(b"keylabels")
+            self.counts = self.env.open_db(b"counts")
+        except lmdb.Error:
+            if not readonly:
+                raise
+            self.has_counts = False
+            self.keylabels = self.counts = self.meta  # never read: every reader checks has_counts
 
     def _open(self) -> lmdb.Environment:
         if self.readonly:
@@ -452,6 +641,33 @@ class Index:
         return lmdb.open(self.path, map_size=MAP_SIZE, max_dbs=16, metasync=False, sync=True, readahead=False,
                          max_readers=512, readonly=False,
                          mode=DIR_MODE)  # the folder 0700; data.mdb and lock.mdb 0600 (x bits dropped)
+
+    def release_pages(self) -> None:
+        """Drop the index's mapped pages from this process's resident memory (they stay in
+        the page cache, and the next access maps them again at the cost of a minor fault).
+        A pass over every entry touches the whole map; without this the daemon would keep
+        it all resident. Safe at any time: the map is read-only (LMDB writes with pwrite)."""
+        if self._madvise is None or self._closed:
+            return
+        size = self.env.info()["map_size"]
+        if self._spans is None or self._spans[0] != size:  # the map moves when it grows
+            data = os.path.realpath(os.path.join(self.path, "data.mdb"))
+            try:
+                with open("/proc/self/maps") as f:
+                    found = [line.split()[0] for line in f if line.rstrip().endswith(" " + data)]
+            except OSError:
+                return
+            self._spans = (size, [tuple(int(x, 16) for x in span.split("-")) for span in found])
+        for lo, hi in self._spans[1]:
+            self._madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+
+    def resident_file_bytes(self) -> int:
+        """File-backed memory this process has resident (mostly the index's map)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[2]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def check_usable(self) -> None:
         if os.getpid() != self._pid:

@@ -7,14 +7,12 @@ default tier. Pins are kept in the index and in the metadata journal.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 from .config import StoreConfig
 from .errors import PinBudgetError, StoreError
-from .index import Index, Txn, label_key, pack_be64, pack_pin, unpack_pin
+from .index import Index, Txn, label_key
 from .keys import KEY_BYTES
-from .segment import align_up
 from .space import TierState
 
 
@@ -49,20 +47,7 @@ class Pins:
             for key in keys:
                 if len(key) != KEY_BYTES:
                     raise StoreError(f"chunk key must be {KEY_BYTES} bytes")
-                lk = label_key(lb, key)
-                if t.raw.get(lk, db=self.index.labels) is not None:
-                    continue
-                t.raw.put(lk, pack_be64(int(time.time())), db=self.index.labels)
-                refs, reserved = t.pin(key)
-                if refs == 0:
-                    e = t.entry(key)
-                    if e is not None:
-                        t.add(f"pinned:{e.tier_name}", e.rec_len)
-                    else:
-                        reserved = align_up(expected_bytes) if expected_bytes else 0
-                        t.add("pin_reserved", reserved)
-                t.raw.put(key, pack_pin(refs + 1, reserved), db=self.index.pins)
-                added += 1
+                added += t.pin_label(lb, key, expected_bytes)
             for tname, st in self.tiers.items():
                 pinned = t.counter(f"pinned:{tname}")
                 if tname == budget_tier:
@@ -102,22 +87,7 @@ class Pins:
                 targets = list(keys)
             removed = 0
             for key in targets:
-                if not t.raw.delete(lb + key, db=self.index.labels):
-                    continue
-                removed += 1
-                raw = t.raw.get(key, db=self.index.pins)
-                if raw is None:
-                    continue
-                refs, reserved = unpack_pin(raw)
-                if refs <= 1:
-                    t.raw.delete(key, db=self.index.pins)
-                    e = t.entry(key)
-                    if e is not None:
-                        t.add(f"pinned:{e.tier_name}", -e.rec_len)
-                    else:
-                        t.add("pin_reserved", -reserved)
-                else:
-                    t.raw.put(key, pack_pin(refs - 1, reserved), db=self.index.pins)
+                removed += t.unpin_label(label.encode(), key)
             if removed:
                 t.event("unpin", "operator", chunks=removed, label=label, uid=uid)
             return removed
@@ -130,6 +100,31 @@ class Pins:
     def refs(self, key: bytes) -> int:
         with self.index.read() as t:
             return t.pin(key)[0]
+
+    def label_page(self, label: str, after: bytes = b"", limit: int = 512) -> list[bytes]:
+        """Up to ``limit`` keys pinned under ``label`` after ``after``, in key order (one short
+        read transaction: a listing pages through a label without holding a snapshot)."""
+        lb = label_key(label.encode())
+        out: list[bytes] = []
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=self.index.labels)
+            if not cur.set_range(lb + after):
+                return out
+            for k in cur.iternext(values=False):
+                if not bytes(k[: len(lb)]) == lb or len(out) >= limit:
+                    break
+                key = bytes(k[len(lb):])
+                if key != after:
+                    out.append(key)
+        return out
+
+    def labels_of(self, key: bytes) -> list[str]:
+        """The labels that pin ``key``, sorted (through ``keylabels``; a store of format 1
+        opened read-only has none, and its labels are searched instead)."""
+        if not self.index.has_counts:
+            return sorted(label for label, keys in self.labels().items() if key in set(keys))
+        with self.index.read() as t:
+            return sorted(b.decode(errors="replace") for b in t.labels_of(key))
 
     def labels(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}

@@ -26,15 +26,17 @@ from .index import (
     Txn,
     drop_corrupt,
     drop_unreadable,
+    entry_delta,
     lru_chunk,
     lru_key,
     trailer_mismatch,
+    unpack_counts,
 )
 from .keys import DTYPE_SIZES, Namespace, short_key
 from .metrics import PREFIX, Cell, Meter, add_to_cells, parse_cells
 from .segment import CorruptRecord, SegmentGone
 from .space import TierState
-from .types import Chunk, ChunkInfo, LookupResult
+from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -114,10 +116,68 @@ class Reads:
                     out.append(key)
         return out
 
-    def iter_chunks(self, prefix: bytes = b"") -> Iterator[ChunkInfo]:
-        """Chunks whose key starts with ``prefix``, in key order, read a page per short
-        read transaction (no snapshot is held while the caller works on a page)."""
+    def infos(self, keys: Sequence[bytes]) -> list[ChunkInfo]:
+        """``info`` of each stored key of ``keys`` (one read transaction)."""
+        out: list[ChunkInfo] = []
+        with self.index.read() as t:
+            for k in keys:
+                raw = t.entry_raw(k)
+                e = None if raw is None else Entry.read(raw)
+                if e is not None:
+                    out.append(chunk_info(k, e, t.pin(k)[0]))
+        return out
+
+    def counts(self, t: Txn | None = None) -> StoreCounts:
+        """See ``Store.counts`` (in snapshot ``t`` when given)."""
+        if t is None:
+            with self.index.read() as rt:
+                return self.counts(rt)
+        out = StoreCounts()
+        if not self.index.has_counts:
+            return self._count_by_scan(t)
+        for k, v in t.raw.cursor(db=self.index.counts):
+            kind = k[:1]
+            if kind == b"k":
+                out.label_keys[bytes(k[1:]).decode(errors="replace")] = int.from_bytes(v[:8], "little")
+                continue
+            nid, tier = bytes(k[-17:-1]), TIER_NAMES.get(k[-1], str(k[-1]))
+            c = Counts(*unpack_counts(v))
+            if kind == b"n":
+                out.namespaces.setdefault(nid, {})[tier] = c
+            elif kind == b"l":
+                label = bytes(k[1:-18]).decode(errors="replace")
+                out.labels.setdefault(label, {}).setdefault(nid, {})[tier] = c
+        return out
+
+    def _count_by_scan(self, t: Txn) -> StoreCounts:
+        """Counts taken from the entries (a format-1 store opened read-only keeps none)."""
+        out = StoreCounts()
+        for k, v in t.raw.cursor(db=self.index.chunks):
+            e = Entry.read(v)
+            if e is None:
+                continue
+            key = bytes(k)
+            pinned = t.pinned(key)
+            c = out.namespaces.setdefault(key[:16], {}).setdefault(e.tier_name, Counts())
+            c.add(Counts(*entry_delta(e, pinned)))
+        for k in t.raw.cursor(db=self.index.labels).iternext(values=False):
+            label_b, _, key = bytes(k).partition(b"\0")
+            label = label_b.decode(errors="replace")
+            out.label_keys[label] = out.label_keys.get(label, 0) + 1
+            e = t.entry(key)
+            if e is not None:
+                c = out.labels.setdefault(label, {}).setdefault(key[:16], {}).setdefault(e.tier_name, Counts())
+                c.add(Counts(*entry_delta(e, True)))
+        return out
+
+    def iter_chunks(self, prefix: bytes = b"", after: bytes | None = None) -> Iterator[ChunkInfo]:
+        """Chunks whose key starts with ``prefix``, in key order (after ``after``, when
+        given), read a page per short read transaction (no snapshot is held while the
+        caller works on a page)."""
         start, last = prefix, None
+        if after is not None and after >= prefix:
+            start, last = after, after
+        pages = 0
         while True:
             page: list[ChunkInfo] = []
             seen = 0
@@ -139,6 +199,9 @@ class Reads:
             if seen < PAGE or last is None:
                 return
             start = last
+            pages += 1
+            if pages % 16 == 0:  # a long listing would otherwise keep the whole map resident
+                self.index.release_pages()
 
     # -- payloads ------------------------------------------------------------------------
     def get(self, key: bytes, touch: bool = True) -> Chunk | None:

@@ -39,7 +39,7 @@ from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
 from .explain import explain_miss
-from .index import FORMAT_VERSION, Entry, Index, Txn
+from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import Namespace, NamespaceRecord, prefix_ids
@@ -63,6 +63,7 @@ from .types import (
     Problem,
     PutItem,
     RewriteResult,
+    StoreCounts,
     StoreStats,
     TierStats,
 )
@@ -168,6 +169,8 @@ class Store:
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
             self._recovery.rebooted = self._note_boot()
+            if self.format_version() < FORMAT_VERSION:
+                self._recovery.build_counts()  # before anything changes an entry
             self.recover()
             if restore is not None or (self._index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
@@ -331,14 +334,17 @@ class Store:
         def load(t: Txn) -> tuple[StoreConfig, bool]:
             raw = t.raw.get(b"config", db=meta)
             ver = t.raw.get(b"format_version", db=meta)
-            if ver is not None and int(ver) != FORMAT_VERSION:
+            if ver is not None and int(ver) not in FORMATS:
                 raise StoreError(f"store format {int(ver)} is not supported by this lmctl ({FORMAT_VERSION})")
+            if ver is None:
+                # a new index is of this format; one with chunks but no mark is of the first
+                fresh = t.raw.stat(self._index.chunks)["entries"] == 0
+                t.raw.put(b"format_version", str(FORMAT_VERSION if fresh else 1).encode(), db=meta)
             if config is None and raw is not None:
                 return StoreConfig.from_json(bytes(raw)), False
             cfg = config or StoreConfig()
             cfg.validate()
             t.raw.put(b"config", cfg.to_json().encode(), db=meta)
-            t.raw.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta)
             return cfg, True
 
         cfg, written = self._index.write(load)
@@ -375,6 +381,12 @@ class Store:
                 self._evictor.make_room(name, 0)
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
+    def format_version(self) -> int:
+        """The format of the index (1: written before the counts were kept)."""
+        with self._index.read() as t:
+            raw = t.raw.get(b"format_version", db=self._index.meta)
+        return int(raw) if raw is not None else 1
+
     def _index_is_new(self) -> bool:
         with self._index.read() as t:
             return t.raw.get(b"config", db=self._index.meta) is None
@@ -565,10 +577,28 @@ class Store:
         memory and flush every ``access_flush_s``)."""
         self._reads.flush()
 
-    def iter_chunks(self, prefix: bytes = b"") -> Iterator[ChunkInfo]:
+    def iter_chunks(self, prefix: bytes = b"", after: bytes | None = None) -> Iterator[ChunkInfo]:
         """Metadata of every chunk whose key starts with ``prefix`` (e.g. a namespace id),
-        in key order; read a page at a time, so no snapshot is held while the caller works."""
-        return self._reads.iter_chunks(prefix)
+        in key order (only keys after ``after``, when given: a listing's cursor); read a page
+        at a time, so no snapshot is held while the caller works."""
+        return self._reads.iter_chunks(prefix, after)
+
+    def iter_labelled(self, label: str, after: bytes | None = None) -> Iterator[ChunkInfo]:
+        """Metadata of the stored chunks that ``label`` pins, in key order (after ``after``,
+        when given), a page of the label's keys per read transaction."""
+        last = after or b""
+        while True:
+            keys = self._pins.label_page(label, last)
+            if not keys:
+                return
+            yield from self._reads.infos(keys)
+            last = keys[-1]
+
+    def counts(self) -> StoreCounts:
+        """Chunks, bytes and pinned chunks per namespace and tier, and per label: kept by the
+        index as the store changes, so this reads a few records, never the chunks (a store
+        written by an older lmctl and opened read-only is counted instead)."""
+        return self._reads.counts()
 
     # -- eviction and compaction -------------------------------------------------------------
     def evict(self, keys: Iterable[bytes], force: bool = False, *, reason: str = "operator",
@@ -648,6 +678,10 @@ class Store:
         """How many labels pin ``key``."""
         return self._pins.refs(key)
 
+    def key_labels(self, key: bytes) -> list[str]:
+        """The labels that pin ``key``, sorted."""
+        return self._pins.labels_of(key)
+
     def labels(self) -> dict[str, list[bytes]]:
         """Every pin label and the keys it pins."""
         return self._pins.labels()
@@ -722,15 +756,27 @@ class Store:
                 "rejected_full", "compacted_bytes", "pin_reserved", "evicted_retired")}
             segs = t.segments()
             tiers = {}
+            counted = self._reads.counts(t)
             for name, st in self._tiers.items():
                 mine = [s for _sid, s in segs if s.tier == st.tid]
                 tiers[name] = TierStats(
                     chunks=t.counter(f"count:{name}"), bytes=t.counter(f"live:{name}"),
                     disk_bytes=t.counter(f"used:{name}"), dead_bytes=sum(s.dead_bytes for s in mine),
                     segments=len(mine), capacity=st.cfg.capacity, pinned_bytes=t.counter(f"pinned:{name}"),
-                    pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir)
+                    pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir,
+                    pinned_chunks=counted.total(tier=name).pinned_chunks)
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
         return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats())
+
+    def release_memory(self, above: int = 0) -> bool:
+        """Drop the index's mapped pages from this process's resident memory when more than
+        ``above`` bytes of files are mapped in (they stay in the page cache; the next access
+        maps them again). A long-running process that reads much of a large index (the
+        daemon) calls it to keep its memory bounded. Returns whether it released."""
+        if self._closed or (above and self._index.resident_file_bytes() <= above):
+            return False
+        self._index.release_pages()
+        return True
 
     # -- recovery and checks -----------------------------------------------------------------
     def recover(self) -> list[Problem]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -148,6 +149,62 @@ class TierStats:
     pin_budget: int
     direct_io: bool
     path: str
+    pinned_chunks: int = 0
+
+
+@dataclass
+class Counts:
+    """Chunks and their bytes (stored, and on disk with padding and trailer), and how many of
+    them are pinned: what the index keeps counted per namespace, label and tier."""
+
+    chunks: int = 0
+    bytes: int = 0
+    disk_bytes: int = 0
+    pinned_chunks: int = 0
+    pinned_bytes: int = 0
+    pinned_disk_bytes: int = 0
+
+    def add(self, other: Counts) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def unpinned(self) -> Counts:
+        """The chunks of these that are not pinned."""
+        return Counts(self.chunks - self.pinned_chunks, self.bytes - self.pinned_bytes,
+                      self.disk_bytes - self.pinned_disk_bytes)
+
+    def pinned(self) -> Counts:
+        """The chunks of these that are pinned."""
+        return Counts(self.pinned_chunks, self.pinned_bytes, self.pinned_disk_bytes, self.pinned_chunks,
+                      self.pinned_bytes, self.pinned_disk_bytes)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class StoreCounts:
+    """The counts the index keeps (``Store.counts``): per namespace id and tier, and per label
+    the keys it pins (stored or not) and its stored chunks per namespace id and tier."""
+
+    namespaces: dict[bytes, dict[str, Counts]] = field(default_factory=dict)
+    labels: dict[str, dict[bytes, dict[str, Counts]]] = field(default_factory=dict)
+    label_keys: dict[str, int] = field(default_factory=dict)
+
+    def total(self, namespaces: Iterable[bytes] | None = None, tier: str | None = None,
+              label: str | None = None) -> Counts:
+        """The chunks of ``namespaces`` (None: all), in ``tier`` (None: all), pinned by
+        ``label`` (None: pinned or not)."""
+        src = self.namespaces if label is None else self.labels.get(label, {})
+        wanted = None if namespaces is None else set(namespaces)
+        out = Counts()
+        for nid, tiers in src.items():
+            if wanted is not None and nid not in wanted:
+                continue
+            for tname, c in tiers.items():
+                if tier is None or tname == tier:
+                    out.add(c)
+        return out
 
 
 @dataclass

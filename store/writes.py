@@ -106,8 +106,11 @@ class Writes:
                     if cur is not None:
                         old = (replace or {}).get(key)
                         e_cur = Entry.unpack(cur)
-                        if old is None or (e_cur.seg, e_cur.off, e_cur.tier) != (old.seg, old.off, old.tier):
-                            continue  # stored (or changed) meanwhile by another process; ours is dead space
+                        if old is None or _encoding(e_cur) != _encoding(old):
+                            # stored, or re-encoded or moved to another tier meanwhile by another
+                            # writer: ours is dead space. (Compaction moving the same record to
+                            # another segment changes nothing this rewrite relies on.)
+                            continue
                         prefix = t.unindex_entry(key, e_cur) or prefix
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
                     e = Entry(seg, off, p.rec_len, p.stored_len, len(p.raw), csum,
@@ -251,3 +254,8 @@ class Writes:
                 return "chunks"
         return "skipped"
 
+
+def _encoding(e: Entry) -> tuple[int, int, int, int, int]:
+    """What a record holds, wherever it lies: a rewrite may replace an entry that compaction
+    has since moved (same tier, codec, level and bytes), not one that was re-encoded."""
+    return e.tier, e.codec, e.level, e.stored_len, e.checksum

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, content, env_with_path, key
+from conftest import ROOT, assert_counts_match, content, env_with_path, key
 
 from store import GiB, MiB, Store, StoreConfig, TierConfig
 
@@ -39,6 +39,7 @@ def assert_store_sound(path: Path, acked: set[int], size: int) -> Store:
         assert store.contains(key(i)), f"acknowledged chunk {i} was lost"
     assert stored >= len(acked), "fewer chunks are listed than were acknowledged"
     assert stored == store.stats().tiers["nvme"].chunks, "the chunk counter differs from the index"
+    assert_counts_match(store)  # the per-namespace counts too, after the crash and recovery
     return store
 
 

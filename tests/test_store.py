@@ -497,7 +497,9 @@ def test_an_index_entry_that_disagrees_with_its_record_is_a_corrupt_miss(
             value = getattr(e, field) - 8 if field == "raw_len" else getattr(e, field) + 4096
         setattr(e, field, value)
         txn.put(k, e.pack(), db=store._index.chunks)
-    assert [p.kind for p in store.check(deep=True)] == ["corrupt-chunk"]
+    kinds = [p.kind for p in store.check(deep=True)]
+    # an entry's stored length is counted per namespace too: rewritten by hand, it no longer adds up
+    assert kinds == ["corrupt-chunk"] + (["counts"] if field == "stored_len" else [])
     assert store.get(k) is None  # a miss, never wrong bytes or an exception
     assert store.stats().counters["corrupt"] == 1 and not store.contains(k)
     other = store.get(keys[1])
