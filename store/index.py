@@ -603,30 +603,22 @@ class Index:
         self.pins = self.env.open_db(b"pins")
         self.labels = self.env.open_db(b"labels")
         self.ns = self.env.open_db(b"namespaces")
-        #: whether the index has the ``prefixes`` and ``events`` sub-databases (a store written
-        #: before them, opened read-only, has not: it has no events and no prefix ids)
-        self.has_events = True
-        try:
-            self.prefixes = self.env.open_db(b"prefixes")
-            self.events = self.env.open_db(b"events")
-        except lmdb.Error:
-            if not readonly:
-                raise
-            self.has_events = False
-            self.prefixes = self.events = self.meta  # never read: every reader checks has_events
+        # sub-databases added after format 1: a store written before them, opened read-only,
+        # has none of them; ``has_events``/``has_counts`` say so, and every reader checks
+        (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
+        (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
         #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
         self.event_log: EventLog | None = None
-        #: whether the index has the ``counts`` and ``keylabels`` sub-databases (a format-1
-        #: store opened read-only has not)
-        self.has_counts = True
+
+    def _later_dbs(self, *names: bytes) -> tuple[list[Any], bool]:
+        """Open sub-databases a writable open creates; read-only, missing ones stand in as
+        ``meta`` (never read: the flag returned is False)."""
         try:
-            self.keylabels = self.env.open_db(b"keylabels")
-            self.counts = self.env.open_db(b"counts")
+            return [self.env.open_db(n) for n in names], True
         except lmdb.Error:
-            if not readonly:
+            if not self.readonly:
                 raise
-            self.has_counts = False
-            self.keylabels = self.counts = self.meta  # never read: every reader checks has_counts
+            return [self.meta] * len(names), False
 
     def _open(self) -> lmdb.Environment:
         if self.readonly:
