@@ -10,8 +10,9 @@ question about it: vLLM reports the document's tokens as cached, loaded from Red
 answer is the one host 2 gives with no cache at all. Then an operator session on host 2's
 store through the daemon (``lmctl serve --remote URL``): lookup per tier, ``move --to
 remote``, a pin refused for chunks only Redis holds, ``warm`` back, ``pin --export-manifest``,
-a drain to Redis and ``warm --manifest --pin`` from it. Everything it starts is stopped at
-the end.
+a drain to Redis and ``warm --manifest --pin`` from it, and the daemon's Prometheus metrics
+(``serve --metrics``: the engines' lookups, loads and saves, counted in their processes).
+Everything it starts is stopped at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +37,7 @@ import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imp
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
 from demo.vllm_demo import SERVED_NAME, chat_messages, chat_prompt, document, ttft  # noqa: E402
-from tests.redis_server import Server  # noqa: E402
+from tests.redis_server import Server, free_port  # noqa: E402
 
 LMCTL = str(Path(sys.executable).with_name("lmctl"))
 
@@ -53,6 +55,17 @@ def shell(work: Path, *args: str) -> None:
     sys.stdout.write(res.stdout + res.stderr)
     if res.returncode:
         print(f"(exit {res.returncode})")
+    print(flush=True)
+
+
+def scrape(port: int) -> None:
+    """Print what Prometheus would scrape from the daemon (lmctl's own series, not the
+    client library's process metrics)."""
+    print(f"$ curl -s 127.0.0.1:{port}/metrics | grep '^lmctl_' | grep -v ' 0.0$'")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("lmctl_") and not line.endswith(" 0.0") and "_bucket{" not in line:
+                print(line)
     print(flush=True)
 
 
@@ -104,8 +117,9 @@ def main() -> None:
                   "model's)\n")
             host2.close()
 
-            daemon = subprocess.Popen([LMCTL, "serve", "--store", "host2", "--remote", url], cwd=share,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            port = free_port()
+            daemon = subprocess.Popen([LMCTL, "serve", "--store", "host2", "--remote", url, "--metrics", str(port)],
+                                      cwd=share, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:
                 deadline = time.monotonic() + 30
                 while not (share / "host2" / "lmctl.sock").exists():
@@ -125,6 +139,7 @@ def main() -> None:
                 shell(share, "warm", "--manifest", "lease-manifest.json", "--to", "nvme", "--pin")
                 shell(share, "lookup", *sel)
                 shell(share, "status")
+                scrape(port)
             finally:
                 daemon.terminate()
                 daemon.wait(30)
