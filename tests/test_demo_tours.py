@@ -1,0 +1,43 @@
+"""The seconds-long demo scripts, run as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+#: every reason ``lmctl lookup --explain`` gives (docs/cli.md)
+REASONS = {"never-stored", "other-model", "other-adapter", "other-adapter-version", "other-salt",
+           "other-model-fingerprint", "other-kv-format", "evicted", "corrupt", "save-dropped",
+           "remote-unavailable"}
+
+
+def test_explain_tour_shows_every_reason(tmp_path: Path) -> None:
+    """demo/explain_tour.py: each reason from a real scenario, through the daemon and the CLI;
+    no absolute temporary path in its transcript, and nothing left behind."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "demo/explain_tour.py"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    out = res.stdout
+    shown = re.findall(r"^why: ([a-z-]+): ", out, re.MULTILINE)
+    assert set(shown) == REASONS and len(shown) == len(REASONS), shown
+    assert "$ lmctl events --since 1h" in out and "evictions_total lru=" in out
+    assert str(tmp_path) not in out + res.stderr
+    assert not list(tmp_path.iterdir())  # the work folder is removed
+    left = []  # and the daemon and redis-server it started are stopped (their cwd was in it)
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.readlink(f"/proc/{pid}/cwd").startswith(str(tmp_path)):
+                left.append(pid)
+        except OSError:
+            continue
+    assert not left, f"processes left running: {left}"
+    assert took < 60, f"the tour took {took:.0f} s"
