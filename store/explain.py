@@ -123,14 +123,17 @@ def _remote_unavailable(sharing: Sharing | None, key: bytes) -> bool:
     return (after.errors + after.short_circuited) > (before.errors + before.short_circuited)
 
 
-def _event_sentence(ev: dict[str, Any]) -> tuple[str, str]:
-    """The reason code and sentence of a logged event about a chunk."""
+def _event_sentence(ev: dict[str, Any], remote_down: bool = False) -> tuple[str, str]:
+    """The reason code and sentence of a logged event about a chunk (``remote_down``: the
+    remote tier did not answer, so whether it still holds a moved chunk is unknown)."""
     kind, why = str(ev.get("kind")), str(ev.get("reason"))
     at = when(float(ev.get("time", 0)))
     who = f", uid {ev['uid']}" if ev.get("uid") is not None else ""
     tier = ev.get("tier") or "?"
     if kind == "evict":
         text = _EVICTED.get(why, f"reason {why}").format(tier=tier, who=who)
+        if remote_down and why == "moved-remote":
+            text = text.replace("which no longer has it", "which may still hold it")
         return "evicted", f"it was evicted at {at}: {text}"
     if kind == "corrupt":
         text = _CORRUPT.get(why, why)
@@ -157,7 +160,7 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
         details["event"] = ev
 
     # other namespaces that hold the same token prefix
-    Candidate = tuple[int, int, str, str, bytes, NamespaceRecord | None]
+    Candidate = tuple[int, int, int, str, str, bytes, NamespaceRecord | None]
     best: Candidate | None = None
     prefixes = store.prefix_ids(tokens, cs, limit=i + 1)
     if len(prefixes) > i:
@@ -170,16 +173,19 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
             got = records.get(nid)
             cand: Candidate
             if got is None:
-                cand = (99, 99, "other-namespace", f"namespace {nid.hex()[:12]} (not recorded)", other, None)
+                cand = (99, 99, 0, "other-namespace", f"namespace {nid.hex()[:12]} (not recorded)", other, None)
             else:
                 diffs = differences(ns, asked_salt, got[0]) or [("other-namespace", f"namespace {nid.hex()[:12]}")]
                 code, what = diffs[0]
                 rank = ORDER.index(code) if code in ORDER else 99
-                cand = (len(diffs), rank, code, "; ".join(w for _c, w in diffs), other, got[0])
-            if best is None or cand[:2] < best[:2]:
+                # the closest holder: fewest differing reasons, then the first reason in ORDER,
+                # then fewest differing fields (each named once, with what was asked)
+                fields = sum(w.count("(asked") for _c, w in diffs)
+                cand = (len(diffs), rank, fields, code, "; ".join(w for _c, w in diffs), other, got[0])
+            if best is None or cand[:3] < best[:3]:
                 best = cand
     if best is not None:
-        _n, _r, code, what, other, rec = best
+        _n, _r, _f, code, what, other, rec = best
         holder: dict[str, Any] = {"key": other.hex(), "differs": what, "reason": code}
         if rec is not None:
             holder["namespace"] = {"model": rec.model, "adapter": None if rec.adapter is None else str(rec.adapter),
@@ -192,16 +198,18 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
         details["remote"] = {"url": sharing.url, "breaker": sharing.tier.breaker.state}
         local = ""
         if ev is not None:
-            local = "; locally, " + _event_sentence(ev)[1]
+            local = "; locally, " + _event_sentence(ev, remote_down=True)[1]
+        state = sharing.tier.breaker.state
+        why = "its circuit breaker is open" if state == "open" else "the call failed or timed out"
         return Explanation(i, i * cs, key, "remote-unavailable",
-                           f"{where} misses: the remote tier ({sharing.url}) does not answer (circuit breaker "
-                           f"{sharing.tier.breaker.state}), and it may hold the chunk{local}", details)
+                           f"{where} misses: the remote tier ({sharing.url}) does not answer ({why}), and it may "
+                           f"hold the chunk{local}", details)
     if ev is not None:
         code, text = _event_sentence(ev)
-        also = f"; the same tokens are stored for {best[3]}" if best is not None else ""
+        also = f"; the same tokens are stored for {best[4]}" if best is not None else ""
         return Explanation(i, i * cs, key, code, f"{where} misses: {text}{also}", details)
     if best is not None:
-        code, what = best[2], best[3]
+        code, what = best[3], best[4]
         why = {"other-adapter": "two adapters never share KV",
                "other-adapter-version": "the adapter's weights changed since",
                "other-salt": "chunks of different cache salts are kept apart",

@@ -33,6 +33,9 @@ log = logging.getLogger("lmctl.store")
 Stored = tuple[bytes, "Buffer", int, int, int, dict[str, Any], int, int]
 
 
+#: ``move --to remote`` drops the chunks it has put from the local tiers this many at a time
+MOVE_BATCH = 64
+
 class Sharing:
     """The remote tier of one store."""
 
@@ -125,9 +128,13 @@ class Sharing:
         from .remote import RemoteMeta
 
         out = RewriteResult()
+        stored: list[bytes] = []  # put remotely, to drop locally (a batch per transaction and event)
         for n, key in enumerate(keys):
             if progress is not None:
                 progress(n, len(keys))
+            if len(stored) >= MOVE_BATCH:
+                evict(stored)
+                stored = []
             if pinned(key):
                 out.skipped += 1
                 continue
@@ -143,12 +150,14 @@ class Sharing:
             data = memoryview(chunk.data).cast("B")
             meta = RemoteMeta(raw_len=info.raw_bytes, codec="raw", layout=chunk.layout, tokens=chunk.tokens)
             if self.tier.put(key, data, meta):
-                evict([key])
+                stored.append(key)
                 out.chunks += 1
                 out.bytes_before += info.stored_bytes
                 out.bytes_after += len(data)
             else:
                 out.skipped += 1
+        if stored:
+            evict(stored)
         if progress is not None:
             progress(len(keys), len(keys))
         return out

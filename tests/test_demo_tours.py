@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from conftest import ROOT
@@ -21,10 +20,8 @@ def test_explain_tour_shows_every_reason(tmp_path: Path) -> None:
     """demo/explain_tour.py: each reason from a real scenario, through the daemon and the CLI;
     no absolute temporary path in its transcript, and nothing left behind."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    t0 = time.monotonic()
     res = subprocess.run([sys.executable, "demo/explain_tour.py"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=90)
-    took = time.monotonic() - t0
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     out = res.stdout
     shown = re.findall(r"^why: ([a-z-]+): ", out, re.MULTILINE)
@@ -40,4 +37,12 @@ def test_explain_tour_shows_every_reason(tmp_path: Path) -> None:
         except OSError:
             continue
     assert not left, f"processes left running: {left}"
-    assert took < 60, f"the tour took {took:.0f} s"
+    # the closest holder names the reason: the TP=2 rank-0 engine's format (two fields differ),
+    # not rank 1's (three)
+    kv = next(line for line in out.splitlines() if line.startswith("why: other-kv-format"))
+    assert "tp_size 2 (asked 1)" in kv and "tp_rank" not in kv
+    # with the server down nobody knows whether it still holds the moved chunk
+    down = next(line for line in out.splitlines() if line.startswith("why: remote-unavailable"))
+    assert "may still hold it" in down and "no longer has it" not in down
+    # a move is one event for the chunks it dropped, not one per chunk
+    assert re.search(r"evict +│ moved-remote +│ +2 │", out), out[-3000:]
