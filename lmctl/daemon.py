@@ -299,6 +299,7 @@ class Daemon:
 
             parse_listen(metrics)  # a bad address is a usage error before anything starts
         self._stop = threading.Event()
+        self._release = threading.Event()
         self._ids = itertools.count(1)
         self._lockfd: int | None = None
         self._store_lockfd: int | None = None
@@ -425,6 +426,8 @@ class Daemon:
             signal.signal(sig, self.stop)
         maint = threading.Thread(target=self._maintain, name="lmctl-maintenance", daemon=True)
         maint.start()
+        releaser = threading.Thread(target=self._releaser, name="lmctl-release", daemon=True)
+        releaser.start()
         log.info("lmctl %s serving store %s on %s (pid %d)", __version__, self.store_dir, self.socket_path,
                  os.getpid())
         threads: list[threading.Thread] = []
@@ -457,7 +460,8 @@ class Daemon:
                 pass
             if exporter is not None:
                 exporter.close()
-            clean = self._drain([*threads, maint])
+            self._release.set()
+            clean = self._drain([*threads, maint, releaser])
             if clean:
                 store.close()
             for fd in (self._lockfd, self._store_lockfd):
@@ -487,6 +491,20 @@ class Daemon:
                       "(it is crash-safe)", len(left), ", ".join(jobs) or "reading", SHUTDOWN_GRACE_S)
             return False
         return True
+
+    def _releaser(self) -> None:
+        """After requests: drop the index's mapped pages from memory when more than
+        ``RELEASE_ABOVE`` bytes of it are resident. Off the requests' path, so a lookup never
+        waits for the pages a long listing left behind to be unmapped."""
+        while not self._stop.is_set():
+            self._release.wait()
+            self._release.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.state.store.release_memory(above=RELEASE_ABOVE)
+            except Exception as exc:  # a closed or failing store: the next request tries again
+                log.debug("releasing the index's pages failed: %s", exc)
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.maintenance_s):
@@ -612,7 +630,7 @@ class Daemon:
             log.exception("%s failed", cmd)
             return fail("failed", f"{cmd} failed: {type(exc).__name__}: {exc}")
         finally:
-            st.store.release_memory(above=RELEASE_ABOVE)
+            self._release.set()  # the releaser drops the index's pages if too many are mapped
             with st.lock:
                 st.jobs.pop(job.id, None)
             with self._conns_lock:
