@@ -568,7 +568,8 @@ def _show_verify(term: Terminal, r: dict[str, Any]) -> None:
 def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
             help="seconds between refreshes")] = 1.0,
         iterations: Annotated[int | None, typer.Option(
-            help="stop after this many frames [default: until q on a terminal, else 1]")] = None) -> None:
+            help="stop after this many frames, 0 for no limit [default: until q on a terminal, else 1; "
+                 "--json: one JSON line per frame]")] = None) -> None:
     """Live view: hit rate, bytes in and out per tier, remote tier, jobs; q quits."""
     term = Terminal.of(ctx)
 
@@ -579,10 +580,13 @@ def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
             raise CommandError("usage", f"--iterations must be 0 (no limit) or more, not {iterations}")
         from .top import rates, run
 
-        if term.json:  # one snapshot of what the view shows, rates over one interval
-            first = term.call("metrics")
-            time.sleep(interval)
-            term.echo(json.dumps(rates(first, term.call("metrics"))))
+        if term.json:  # a JSON line per frame (default one), rates over the interval before it
+            prev = term.call("metrics")
+            for _ in range(iterations or 1):
+                time.sleep(interval)
+                cur = term.call("metrics")
+                term.echo(json.dumps(rates(prev, cur)))
+                prev = cur
             return
         live = term.is_tty if term.is_tty is not None else term.out.isatty()
         n = iterations if iterations is not None else (0 if live else 1)

@@ -406,15 +406,26 @@ class Daemon:
                 os.close(self._lockfd)
                 self._lockfd = None
             raise
-        store = self._open_store()
-        self.state = DaemonState(store, self.socket_path)
         exporter = None
-        try:
-            if self.metrics is not None:
-                from .metrics import Exporter
+        if self.metrics is not None:  # before the store is opened (or created): a port in use changes nothing
+            from .metrics import Exporter
 
-                exporter = Exporter(self.metrics, store, self._exporter_extra)
-                self.metrics_port = exporter.port
+            try:
+                exporter = Exporter(self.metrics, lambda: self.state.store, self._exporter_extra)
+            except BaseException:
+                if self._lockfd is not None:
+                    os.close(self._lockfd)
+                    self._lockfd = None
+                raise
+            self.metrics_port = exporter.port
+        try:
+            store = self._open_store()
+        except BaseException:
+            if exporter is not None:
+                exporter.close()
+            raise
+        self.state = DaemonState(store, self.socket_path)
+        try:
             listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)
         except BaseException:
             if exporter is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from store import Store
+from store import Store, StoreError
 from store.metrics import SECONDS_BUCKETS, Cell
 
 from .errors import UsageError
@@ -95,13 +95,17 @@ class StoreCollector(Collector):
     """Builds every metric family from the store at scrape time. ``extra()`` returns the
     daemon's own figures (jobs, requests, the remote breaker's state)."""
 
-    def __init__(self, store: Store, extra: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, store: Callable[[], Store], extra: Callable[[], dict[str, Any]]) -> None:
         self.store = store
         self.extra = extra
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.store.stats()
-        cells = self.store.metric_cells()
+        try:
+            store = self.store()
+        except AttributeError:  # scraped while the daemon is still opening its store
+            return
+        stats = store.stats()
+        cells = store.metric_cells()
         tiers = {
             "chunks": GaugeMetricFamily("lmctl_tier_chunks", "Chunks in a tier.", labels=["tier"]),
             "bytes": GaugeMetricFamily("lmctl_tier_bytes", "Stored bytes of the chunks in a tier.", labels=["tier"]),
@@ -120,7 +124,7 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("lmctl_write_amplification", "Bytes written to segment files per payload byte.",
                                 value=stats.write_amplification)
         yield from _cell_families(cells)
-        events = self.store.event_counters()
+        events = store.event_counters()
         for kind, (metric, doc) in EVENT_COUNTERS.items():
             events_fam = CounterMetricFamily(metric, doc, labels=["reason"])
             for reason, n in sorted(events.get(kind, {}).items()):
@@ -179,7 +183,9 @@ def _bound(x: float) -> str:
 class Exporter:
     """The HTTP server that Prometheus scrapes, on a thread of its own."""
 
-    def __init__(self, listen: str, store: Store, extra: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, listen: str, store: Callable[[], Store], extra: Callable[[], dict[str, Any]]) -> None:
+        """Listen on ``listen`` ([ADDR:]PORT); scrapes read ``store()`` (the daemon's store,
+        which may be opened after this). A port that cannot be bound is a ``StoreError``."""
         from prometheus_client import start_http_server
 
         self.host, self.port = parse_listen(listen)
@@ -188,7 +194,7 @@ class Exporter:
         try:
             self._server, self._thread = start_http_server(self.port, self.host, registry=registry)
         except OSError as exc:
-            raise UsageError(f"--metrics {listen}: cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+            raise StoreError(f"--metrics {listen}: cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", self.host if ":" not in self.host else f"[{self.host}]",
                  self.port)

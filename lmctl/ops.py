@@ -12,6 +12,7 @@ import dataclasses
 import heapq
 import itertools
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -164,6 +165,8 @@ def _evict_scope(store: Store, args: dict[str, Any]) -> Scope | None:
 
 #: chunks evicted per index transaction
 EVICT_BATCH = 256
+#: the largest --limit a listing takes (0 means all)
+MAX_LIMIT = 1 << 40
 
 
 def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -415,6 +418,8 @@ def _cursor(sort: str, text: str | None) -> tuple[Any, bytes] | None:
     try:
         key = parse_key(key_hex)
         v: Any = 0 if kind == "key" else int(value) if kind == "size" else float(value)
+        if kind != "key" and not (math.isfinite(v) and abs(v) < 1 << 62):
+            raise ValueError(value)
     except (StoreError, ValueError):
         raise UsageError(f"--cursor {text!r} is not a cursor that ls printed (its 'next')") from None
     if kind != sort:
@@ -436,8 +441,8 @@ def op_ls(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     (a sort other than by key keeps the page's rows in a bounded heap while it reads all)."""
     limit = arg(args, "limit", int, 100)
     sort = arg(args, "sort", str, "key")
-    if limit < 0:
-        raise UsageError("--limit must be 0 (all) or a positive number of rows")
+    if not 0 <= limit <= MAX_LIMIT:
+        raise UsageError(f"--limit must be 0 (all) or a number of rows up to {MAX_LIMIT}")
     if sort not in SORTS:
         raise UsageError(f"--sort must be one of {', '.join(SORTS)}, not {sort!r}")
     if limit == 0 and sort != "key":
@@ -606,8 +611,8 @@ def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     limit = arg(args, "limit", int, 50)
     if since is not None and since < 0:
         raise UsageError("--since must not be negative")
-    if limit < 0:
-        raise UsageError("--limit must be 0 (all) or a positive number of events")
+    if not 0 <= limit <= MAX_LIMIT:
+        raise UsageError(f"--limit must be 0 (all) or a number of events up to {MAX_LIMIT}")
     if kinds is not None and not all(isinstance(k, str) for k in kinds):
         raise UsageError("argument 'kind' must be a list of event kinds")
     try:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
-from store.config import TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
+from store.config import EVENT_LOG_MAX, TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
 
 from .errors import UsageError
 from .units import parse_duration
@@ -66,7 +66,12 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
     if kind is int:
         if n != int(n):
             raise StoreError(f"{name} must be a whole number, not {value!r}")
-        return int(n)
+        if isinstance(value, int):
+            return value
+        try:  # a whole number as written, not as a float rounded it
+            return int(str(value).strip())
+        except ValueError:
+            return int(n)
     return n
 
 
@@ -105,8 +110,9 @@ def _read_store_key(key: str, value: Any) -> Any:
         return secs
     if key == "event_log_max":
         n = _number(value, key, int)
-        if n < 1:
-            raise StoreError("event_log_max must be at least 1 (events the store's event log keeps)")
+        if not 1 <= n <= EVENT_LOG_MAX:
+            raise StoreError(f"event_log_max must be between 1 and {EVENT_LOG_MAX} (events the store's event log "
+                             "keeps)")
         return n
     return _number(value, key)  # low_watermark, compact_dead_ratio: validate() checks ranges
 

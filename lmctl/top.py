@@ -47,8 +47,8 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
     for model, adapter in who:
         hit = _total(cur, "lookup_hit_tokens_total", model=model, adapter=adapter)
         miss = _total(cur, "lookup_miss_tokens_total", model=model, adapter=adapter)
-        row: dict[str, Any] = {"model": model, "adapter": adapter,
-                               "lookups": _total(cur, "lookups_total", model=model, adapter=adapter),
+        row: dict[str, Any] = {"model": model, "adapter": adapter or None,
+                               "lookups": int(_total(cur, "lookups_total", model=model, adapter=adapter)),
                                "hit_rate": hit / (hit + miss) if hit + miss else None, "hit_rate_now": None}
         if prev is not None:
             dh = hit - _total(prev, "lookup_hit_tokens_total", model=model, adapter=adapter)
@@ -56,13 +56,13 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
             row["hit_rate_now"] = dh / (dh + dm) if dh + dm > 0 else None
         engines.append(row)
     status = cur["status"]
-    tiers = []
+    tiers = {}
     for name, t in status["store"]["tiers"].items():
-        tiers.append({"tier": name, "chunks": t["chunks"], "bytes": t["bytes"], "capacity": t["capacity"],
-                      "pinned_bytes": t["pinned_bytes"],
+        tiers[name] = {"chunks": t["chunks"], "bytes": t["bytes"], "capacity": t["capacity"],
+                       "pinned_bytes": t["pinned_bytes"],
                       "load_bytes_per_s": rate("load_bytes_total", tier=name),
                       "save_bytes_per_s": rate("save_bytes_total", tier=name),
-                      "loads_per_s": rate("loads_total", tier=name), "saves_per_s": rate("saves_total", tier=name)})
+                       "loads_per_s": rate("loads_total", tier=name), "saves_per_s": rate("saves_total", tier=name)}
     remote_reads = _total(cur, "load_bytes_total", tier="remote")
     out: dict[str, Any] = {"time": cur["time"], "interval_s": dt, "engines": engines, "tiers": tiers,
                            "remote_load_bytes": remote_reads, "jobs": status["jobs"],
@@ -77,8 +77,9 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
     return out
 
 
-def render(view: dict[str, Any], width: int | None = None) -> Any:
-    """The frame for ``view`` (from ``rates``) as a rich renderable."""
+def render(view: dict[str, Any], live: bool = True) -> Any:
+    """The frame for ``view`` (from ``rates``) as a rich renderable (``live``: refreshed in
+    place, where ``q`` quits)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -90,12 +91,12 @@ def render(view: dict[str, Any], width: int | None = None) -> Any:
         return "-" if x is None else f"{human(x)}/s"
 
     parts: list[Any] = [Text(time.strftime("lmctl top  %H:%M:%S", time.localtime(view["time"]))
-                             + "   q quits", style="bold")]
+                             + ("   q quits" if live else ""), style="bold")]
     eng = Table(title="engine lookups (every process using the store)", title_justify="left", expand=False)
     for col in ("model", "adapter", "lookups", "hit rate", "hit rate now"):
         eng.add_column(col, justify="right" if col not in ("model", "adapter") else "left")
     for e in view["engines"]:
-        eng.add_row(e["model"][-40:], e["adapter"] or "(base)", f"{e['lookups']:.0f}", pct(e["hit_rate"]),
+        eng.add_row(e["model"][-40:], e["adapter"] or "(base)", str(e["lookups"]), pct(e["hit_rate"]),
                     pct(e["hit_rate_now"]))
     if not view["engines"]:
         eng.add_row("(no engine lookups yet)", "", "", "", "")
@@ -103,8 +104,8 @@ def render(view: dict[str, Any], width: int | None = None) -> Any:
     tiers = Table(title="tiers", title_justify="left")
     for col in ("tier", "chunks", "bytes", "capacity", "pinned", "loads", "loaded", "saves", "saved"):
         tiers.add_column(col, justify="left" if col == "tier" else "right")
-    for t in view["tiers"]:
-        tiers.add_row(t["tier"], str(t["chunks"]), human(t["bytes"]), human(t["capacity"]),
+    for name, t in view["tiers"].items():
+        tiers.add_row(name, str(t["chunks"]), human(t["bytes"]), human(t["capacity"]),
                       human(t["pinned_bytes"]), "-" if t["loads_per_s"] is None else f"{t['loads_per_s']:.1f}/s",
                       per_s(t["load_bytes_per_s"]),
                       "-" if t["saves_per_s"] is None else f"{t['saves_per_s']:.1f}/s", per_s(t["save_bytes_per_s"]))
@@ -169,7 +170,7 @@ def run(fetch: Callable[[], Snapshot], console: Any, interval: float, iterations
     if not live:
         while True:
             cur = fetch()
-            console.print(render(rates(prev, cur)))
+            console.print(render(rates(prev, cur), live=False))
             frames += 1
             if iterations and frames >= iterations:
                 return frames

@@ -19,6 +19,9 @@ TIER_IDS = {"dram": 0, "nvme": 1, "remote": 2}
 TIER_NAMES = {v: k for k, v in TIER_IDS.items()}
 
 
+#: the most events ``event_log_max`` lets the log keep
+EVENT_LOG_MAX = 10_000_000
+
 @dataclass
 class TierConfig:
     """One local tier: a directory of segment files with a byte capacity.
@@ -121,8 +124,9 @@ class StoreConfig:
             raise StoreError("retire_after_s must not be negative")
         if self.compress_cold_after_s < 0:
             raise StoreError("compress_cold_after_s must not be negative (0 turns it off)")
-        if isinstance(self.event_log_max, bool) or not isinstance(self.event_log_max, int) or self.event_log_max < 1:
-            raise StoreError("event_log_max must be a whole number of events, at least 1")
+        if isinstance(self.event_log_max, bool) or not isinstance(self.event_log_max, int) or \
+                not 1 <= self.event_log_max <= EVENT_LOG_MAX:
+            raise StoreError(f"event_log_max must be a whole number of events, 1 to {EVENT_LOG_MAX}")
         if self.remote is not None:
             self.remote.validate()
         from .codec import codec_id

@@ -82,20 +82,34 @@ class EventLog:
         for k in sorted(named):  # in key order: neighbouring puts touch the same pages
             t.raw.put(_key_row(k), packed, db=db)
             t.raw.put(_ref_row(seq, k), b"", db=db)
-        events = t.add("events", 1)
-        refs = t.add("event_keys", len(named))
+        t.add("events", 1)
+        t.add("event_keys", len(named))
         t.add(f"ev:{kind}:{reason}", count)
+        self.trim(t, keep=seq)
+
+    def trim(self, t: Txn, keep: int | None = None) -> None:
+        """Drop the oldest events until the log is within its bound (``event_log_max``
+        events, and chunks named); event ``keep`` (default: the newest) stays, however many
+        chunks it names."""
+        db = self.index.events
+        bound = max(1, self._max())
+        key_bound = bound * KEYS_PER_EVENT
+        events, refs = t.counter("events"), t.counter("event_keys")
+        keep = t.counter("event_seq") if keep is None else keep  # the newest event always stays
+        dropped = False
         while events > bound or refs > key_bound:
             cur = t.raw.cursor(db=db)
             if not cur.set_range(b"e") or not bytes(cur.key()).startswith(b"e"):
                 break
             oldest = int(_BE64.unpack(bytes(cur.key())[1:9])[0])
-            if oldest == seq:
-                break  # the event just added stays, however many chunks it names
+            if oldest == keep:
+                break
             refs -= self._drop(t, oldest)
             events -= 1
-        t.set_counter("events", max(0, events))
-        t.set_counter("event_keys", max(0, refs))
+            dropped = True
+        if dropped:
+            t.set_counter("events", max(0, events))
+            t.set_counter("event_keys", max(0, refs))
 
     def _drop(self, t: Txn, seq: int) -> int:
         """Remove event ``seq`` and what it names; how many chunks it named."""

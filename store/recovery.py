@@ -114,14 +114,14 @@ class Recovery:
                 "or did its folder move? Its chunks are kept in the index until it is back")
 
     # -- vanished segments ---------------------------------------------------------------
-    def _segments(self) -> list[tuple[int, SegmentRecord]]:
+    def segments(self) -> list[tuple[int, SegmentRecord]]:
         with self.index.read() as t:
             return t.segments()
 
     def forget_missing_segments(self) -> list[Problem]:
         """See ``Store.forget_missing_segments``."""
         problems: list[Problem] = []
-        segs = self._segments()
+        segs = self.segments()
         absent = self.absent_tiers()
         for name in absent:
             problems.append(Problem("tier-unavailable", self.absent_message(name)))
@@ -161,10 +161,10 @@ class Recovery:
     # -- at open -------------------------------------------------------------------------
     def recover(self) -> list[Problem]:
         """See ``Store.recover``."""
-        self.mark_tiers(self._segments())
+        self.mark_tiers(self.segments())
         problems: list[Problem] = self.forget_missing_segments()
         absent = self.absent_tiers()
-        for sid, s in self._segments():
+        for sid, s in self.segments():
             st = self.tiers.get(TIER_NAMES.get(s.tier) or "")
             if st is None or st.name in absent or s.state != SEG_OPEN or sid == st.open_seg:
                 continue

@@ -365,16 +365,23 @@ class Store:
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
+        old_events_max = self.config.event_log_max
         with self._lock:
             self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
+            added = False
             for name in TIER_ORDER:
                 if name in config.tiers and name not in self._tiers:
                     self._add_tier(name)
+                    added = True
+            if added:  # a new tier's folder is the tier's: mark it, or checks take it for a lost disk
+                self._recovery.mark_tiers(self._recovery.segments())
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
+            if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
+                self._index.write(lambda t: self._events.trim(t))
             self._share(config)  # before making room: a smaller tier spills as the new settings say
             self._set_spill()
             for name in self._tiers:

@@ -76,6 +76,7 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
             assert cli(d, "evict", "--key", cj(d, "lookup", "--tokens", full)["chunks"][1]["key"]).returncode == 0
             got["lookup --explain"] = cj(d, "lookup", "--tokens", full, "--explain")
             got["events"] = cj(d, "events")
+            got["top"] = cj(d, "top", "--interval", "0.1")
     finally:
         d.stop()
     assert set(got) == set(docs), f"documented JSON without a check, or the reverse: {set(got) ^ set(docs)}"

@@ -26,6 +26,7 @@ from store import (
     PutItem,
     Store,
     StoreConfig,
+    StoreError,
     TierConfig,
     open_shared,
     release_shared,
@@ -285,6 +286,16 @@ def test_the_log_keeps_its_bound_and_the_counters_survive_it_and_a_restart(tmp_p
         assert again.events(since=time.time() + 60) == []
         with pytest.raises(Exception, match="unknown event kind"):
             again.events(kinds=["nope"])
+        # a smaller bound drops the oldest events at once, not at the next event (here all but
+        # the newest: it names 320 chunks, more than 2 events may name)
+        smaller = StoreConfig.from_json(again.config.to_json())
+        smaller.event_log_max = 2
+        again.configure(smaller)
+        assert again.events(limit=0) == kept2[-1:]
+        assert again.event_counters()["pins_total"] == {"operator": 50}  # totals outlive the log
+        smaller.event_log_max = 10**8
+        with pytest.raises(StoreError, match="event_log_max must be a whole number of events, 1 to"):
+            again.configure(smaller)
 
 
 def test_event_writes_ride_in_the_transactions_that_make_the_change(tmp_path: Path,
@@ -380,6 +391,7 @@ def test_event_log_max_is_a_store_setting() -> None:
     from lmctl.settings import apply_settings
 
     assert apply_settings(StoreConfig(), {"event_log_max": "500"}).event_log_max == 500
-    for bad in ("0", "many", "1.5"):
+    assert apply_settings(StoreConfig(), {"event_log_max": "9999999"}).event_log_max == 9999999
+    for bad in ("0", "many", "1.5", "99999999999999999999999", 10**40, "nan"):
         with pytest.raises(Exception, match="event_log_max"):
             apply_settings(StoreConfig(), {"event_log_max": bad})

@@ -127,6 +127,14 @@ def test_sorted_pages_are_in_order_and_cover_the_selection(served: tuple[Daemon,
     assert r.returncode == 2 and "--limit" in r.stderr and r.stderr.count("\n") == 1
     r = cli(d, "ls", "--cursor", "nonsense")
     assert r.returncode == 2 and "cursor" in r.stderr
+    k = "ab" * 48
+    for bad in (f"age:nan:{k}", f"age:1e999:{k}", f"access:-inf:{k}", f"size:{-10**30}:{k}"):
+        r = cli(d, "ls", "--sort", bad.split(":")[0], "--limit", "2", "--cursor", bad)
+        assert r.returncode == 2 and "is not a cursor that ls printed" in r.stderr, (bad, r.stderr)
+    r = cli(d, "ls", "--limit", str(10**20))  # one line, a usage error, not an internal one
+    assert r.returncode == 2 and "--limit must be" in r.stderr and r.stderr.count("\n") == 1
+    r = cli(d, "events", "--limit", str(10**20))
+    assert r.returncode == 2 and "--limit must be" in r.stderr
     r = cli(d, "ls", "--limit", "3")
     assert r.returncode == 0 and "last access" in r.stdout and "next page: --cursor key::" in r.stdout
 

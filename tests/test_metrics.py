@@ -125,6 +125,15 @@ def test_metrics_address_is_checked(tmp_path: Path) -> None:
         r = lmctl(None, "--json", "serve", "--store", str(tmp_path / "s"), "--metrics", bad)
         assert what in error(r)["message"] and r.exit_code == 2
     assert not (tmp_path / "s").exists()  # refused before anything was created
+    import socket
+
+    with socket.socket() as taken:  # a port in use: the daemon cannot start (a failure, not a usage error)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = lmctl(None, "--json", "serve", "--store", str(tmp_path / "s"), "--init", "--metrics", str(port))
+        assert r.exit_code == 1 and "cannot listen on 127.0.0.1" in error(r)["message"]
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["lmctl.sock.lock"]  # no store was created
 
 
 def test_exporter_over_http_after_engine_traffic(models: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
@@ -221,9 +230,11 @@ def test_top_shows_hit_rates_tiers_and_rates(daemon: Daemon) -> None:
     view = json.loads(lmctl(daemon, "--json", "top", "--interval", "0.2").stdout)
     assert view["interval_s"] > 0.1
     [eng] = view["engines"]
-    assert (eng["model"], eng["adapter"], eng["lookups"], eng["hit_rate"]) == ("m", "", 3, 0.75)
+    assert (eng["model"], eng["adapter"], eng["lookups"], eng["hit_rate"]) == ("m", None, 3, 0.75)
     assert eng["hit_rate_now"] is None  # nothing happened during the interval
-    [nvme] = [t for t in view["tiers"] if t["tier"] == "nvme"]
+    frames = lmctl(daemon, "--json", "top", "--interval", "0.1", "--iterations", "3").stdout.splitlines()
+    assert len(frames) == 3 and all(json.loads(f)["interval_s"] > 0.05 for f in frames)  # a JSON line per frame
+    nvme = view["tiers"]["nvme"]
     assert nvme["chunks"] == 6 and nvme["loads_per_s"] == 0.0
 
 

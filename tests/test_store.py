@@ -670,3 +670,19 @@ def test_a_rebuild_does_not_take_back_a_segment_the_lost_index_had_dropped(
     assert store.locate(victims) == [None] * len(victims) and not path.exists()
     rest = [k for k in keys if k not in victims]
     assert store.locate(rest) == ["nvme"] * len(rest)
+
+
+def test_a_tier_added_while_the_store_is_open_is_marked_as_the_tiers(tmp_path: Path) -> None:
+    """A dram tier added through ``configure`` (``lmctl config set tiers.dram...``) is a tier
+    whose folder is there: checks never take it for an unmounted disk, before or after it holds
+    chunks (its marker was written only when some process opened the store again)."""
+    with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
+        cfg = StoreConfig.from_json(s.config.to_json())
+        cfg.tiers["dram"] = TierConfig(capacity=16 * MiB, path=str(tmp_path / "dram"))
+        s.configure(cfg)
+        assert [p for p in s.check() if not p.fixed] == []
+        assert s.put_many([PutItem(key(1), content(key(1), 8192), SMALL_LAYOUT, 16)], tier="dram") == [True]
+        assert [p for p in s.check() if not p.fixed] == []
+    with Store(tmp_path / "s") as s:
+        assert s.locate([key(1)]) == ["dram"]
+        assert [p for p in s.check() if not p.fixed] == []
