@@ -303,7 +303,10 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
     if "explain" in r:
         why = r["explain"]
         if why is None:
-            c.print("nothing misses: every full chunk is cached", markup=False)
+            tail = r["total_tokens"] - r["hit_tokens"]
+            c.print("nothing misses: every full chunk is cached" + (
+                f" (the last {tail} token(s) are less than a chunk of {r['chunk_size']}: partial chunks are never "
+                "stored, the engine always computes them)" if tail else ""), markup=False)
         else:
             c.print(f"why: {why['reason']}: {why['message']}", markup=False, soft_wrap=True)
 

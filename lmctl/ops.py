@@ -580,12 +580,19 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
                 t.pop(gone)
         # the labels' stored chunks within the selection (filters the counts answer)
         labels = {}
-        if scope.countable and scope.pinned is not False:
+        if scope.pinned is False:
+            pass  # unpinned chunks have no label
+        elif scope.countable and scope.label is None:
             for label in counts.label_keys:
-                if scope.label in (None, label):
-                    n = dataclasses.replace(scope, label=label).count(store).chunks
-                    if n:
-                        labels[label] = n
+                n = dataclasses.replace(scope, label=label).count(store).chunks
+                if n:
+                    labels[label] = n
+        else:  # read: a label's chunks (and the other labels that pin them too), --older-than, keys, a document
+            for info in scope.stream(store):
+                if info.pin_refs > 0:
+                    for label in store.key_labels(info.key):
+                        labels[label] = labels.get(label, 0) + 1
+            labels = dict(sorted(labels.items()))
         extra["scope"] = {k: v for k, v in sel.items() if k != "doc"} | ({"doc": True} if "doc" in sel else {})
     return {
         "chunks": sum(t["chunks"] for t in tiers.values()), "bytes": sum(t["bytes"] for t in tiers.values()),

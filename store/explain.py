@@ -123,9 +123,10 @@ def _remote_unavailable(sharing: Sharing | None, key: bytes) -> bool:
     return (after.errors + after.short_circuited) > (before.errors + before.short_circuited)
 
 
-def _event_sentence(ev: dict[str, Any], remote_down: bool = False) -> tuple[str, str]:
+def _event_sentence(ev: dict[str, Any], remote_down: bool = False, no_remote: bool = False) -> tuple[str, str]:
     """The reason code and sentence of a logged event about a chunk (``remote_down``: the
-    remote tier did not answer, so whether it still holds a moved chunk is unknown)."""
+    remote tier did not answer, so whether it still holds a moved chunk is unknown;
+    ``no_remote``: the store's settings have no remote tier any more)."""
     kind, why = str(ev.get("kind")), str(ev.get("reason"))
     at = when(float(ev.get("time", 0)))
     who = f", uid {ev['uid']}" if ev.get("uid") is not None else ""
@@ -134,6 +135,8 @@ def _event_sentence(ev: dict[str, Any], remote_down: bool = False) -> tuple[str,
         text = _EVICTED.get(why, f"reason {why}").format(tier=tier, who=who)
         if remote_down and why == "moved-remote":
             text = text.replace("which no longer has it", "which may still hold it")
+        elif no_remote and why == "moved-remote":
+            text = text.replace("which no longer has it", "which this store no longer has in its settings")
         return "evicted", f"it was evicted at {at}: {text}"
     if kind == "corrupt":
         text = _CORRUPT.get(why, why)
@@ -205,7 +208,7 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
                            f"{where} misses: the remote tier ({sharing.url}) does not answer ({why}), and it may "
                            f"hold the chunk{local}", details)
     if ev is not None:
-        code, text = _event_sentence(ev)
+        code, text = _event_sentence(ev, no_remote=sharing is None)
         also = f"; the same tokens are stored for {best[4]}" if best is not None else ""
         return Explanation(i, i * cs, key, code, f"{where} misses: {text}{also}", details)
     if best is not None:

@@ -354,6 +354,9 @@ def test_lookup_explain_and_events_through_the_cli(tmp_path: Path) -> None:
         assert human.returncode == 0 and "why: other-adapter: chunk 0 (tokens 0-15) misses" in human.stdout
         assert str(CIVIL_V1) in human.stdout
         assert cj(d, "lookup", "--tokens", f, "--adapter", "civil", "--explain")["explain"] is None
+        short = tokens_file(tmp_path, toks[:10], "short.json")  # no full chunk: nothing can miss
+        human = cli(d, "lookup", "--tokens", short, "--adapter", "civil", "--explain")
+        assert "nothing misses" in human.stdout and "the last 10 token(s) are less than a chunk of 16" in human.stdout
         assert "explain" not in cj(d, "lookup", "--tokens", f, "--adapter", "civil")
         # an operator evicts the middle chunk and pins the document: both logged with the uid
         key = Namespace("m", FMT, CIVIL_V1).chunk_keys(toks)[1].hex()
@@ -395,3 +398,22 @@ def test_event_log_max_is_a_store_setting() -> None:
     for bad in ("0", "many", "1.5", "99999999999999999999999", 10**40, "nan"):
         with pytest.raises(Exception, match="event_log_max"):
             apply_settings(StoreConfig(), {"event_log_max": bad})
+
+
+def test_a_chunk_moved_to_a_remote_tier_the_store_no_longer_has(tmp_path: Path, servers: Any) -> None:
+    """Explain says what is known: the chunk went to a remote tier the settings no longer name,
+    not that the server dropped it."""
+    redis = servers()
+    ns = Namespace("m", FMT)
+    with Store(tmp_path / "s", cfg(remote=RemoteConfig(redis.url, key_prefix="t", write="never"))) as s:
+        toks = doc(3, 1)
+        keys = ns.chunk_keys(toks)
+        s.put_many([PutItem(k, os.urandom(FMT.chunk_bytes), {"dtype": "float32"}, 16, prefix=p)
+                    for k, p in zip(keys, s.prefix_ids(toks, 16), strict=True)])
+        assert s.rewrite(keys, tier="remote").chunks == 1
+        local = StoreConfig.from_json(s.config.to_json())
+        local.remote = None
+        s.configure(local)
+        ex = s.explain(ns, toks)
+        assert ex is not None and ex.reason == "evicted"
+        assert "moved to the remote tier" in ex.message and "no longer has in its settings" in ex.message

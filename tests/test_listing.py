@@ -152,6 +152,7 @@ SELECTORS: list[tuple[list[str], Callable[[ChunkInfo, set[bytes], set[bytes]], b
     (["--label", "hot", "--tier", "nvme"], lambda c, doc, hot: c.key in hot and c.tier == "nvme"),
     (["--label", "doc", "--adapter", "civil"], lambda c, doc, hot: c.key in doc and c.key[:16] == CIVIL.ns_id),
     (["--older-than", "0s", "--model", "o"], lambda c, doc, hot: c.key[:16] == OTHER.ns_id),
+    (["--older-than", "0s", "--model", "m"], lambda c, doc, hot: c.key[:16] in (BASE.ns_id, CIVIL.ns_id)),
 ]
 
 
@@ -181,6 +182,9 @@ def test_inspect_ls_and_evict_dry_run_by_selector_equal_a_filtered_recount(
     assert {a: n for a, n in by_adapter.items() if n} == want
     if not sel:
         assert r["labels"] == {"doc": 36, "hot": 20}  # keys pinned, stored or not
+    else:  # each label's stored chunks within the selection, counted or read
+        want_labels = {name: sum(c.key in set(ks) for c in mine) for name, ks in labels.items()}
+        assert r["labels"] == {name: n for name, n in want_labels.items() if n}
     ls = cj(d, "ls", "--limit", "2", *sel)
     assert ls["total"] == len(mine) and ls["bytes"] == sum(c.stored_bytes for c in mine)
     if sel:
