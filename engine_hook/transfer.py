@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -166,6 +167,18 @@ class ChunkWriter:
             self._drop_log_failed = True
             self._note_drops(drops)
 
+    def _report_queue(self) -> None:
+        """The queue's depth as this process's gauge in the store (``lmctl top``)."""
+        try:
+            self.store.set_gauge("engine_save_queue", self.pending, pid=str(os.getpid()))
+        except Exception:  # figures for operators never get in the writer's way
+            log.debug("lmctl: reporting the save queue failed", exc_info=True)
+
+    @property
+    def pending(self) -> int:
+        """Chunks queued or being written."""
+        return int(self._q.unfinished_tasks)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written. Returns False on timeout."""
         end = None if timeout is None else time.monotonic() + timeout
@@ -187,6 +200,7 @@ class ChunkWriter:
                 first = self._q.get(timeout=self.DROP_FLUSH_S)
             except queue.Empty:  # idle: what was dropped meanwhile goes to the event log
                 self._flush_drops()
+                self._report_queue()
                 continue
             if first is None:
                 self._flush_drops()
@@ -235,6 +249,7 @@ class ChunkWriter:
                 self._flush_drops()
             for _j in jobs:
                 self._q.task_done()
+            self._report_queue()
 
     def _stored(self, key: bytes) -> bool:
         """Whether a chunk that put_many did not store is in the store (already stored)

@@ -16,6 +16,7 @@ request finished; a chunk that cannot be saved is dropped.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -90,6 +91,8 @@ class LMCtlConnectorWorker:
                 fut = self._loader.submit(self._load, op, time.perf_counter())
             with self._lock:
                 self._inflight[op.req_id] = fut
+        if ops:
+            self._report_queues()
 
     def _load(self, op: LoadOp, received: float) -> set[int]:
         """Load one request's chunks in order; the first that fails ends the load. Returns
@@ -176,7 +179,20 @@ class LMCtlConnectorWorker:
                         self._load_errors.update(fut.result())
                     except Exception:  # _load catches everything; this is a last resort
                         log.warning("lmctl: request %s: the load failed", req_id, exc_info=True)
+        if done:
+            self._report_queues()
         return done
+
+    def _report_queues(self) -> None:
+        """This engine's loads in flight and saves waiting for the writer, as gauges in the
+        store (``lmctl top``, the daemon's metrics), labelled by the process."""
+        try:
+            pid = str(os.getpid())
+            self.store.set_gauge("engine_loads_in_flight", len(self._inflight), pid=pid)
+            if self._writer is not None:
+                self.store.set_gauge("engine_save_queue", self._writer.pending, pid=pid)
+        except Exception:  # figures for operators never get in the engine's way
+            log.debug("lmctl: reporting queue depths failed", exc_info=True)
 
     def wait_loads(self, timeout: float | None = None) -> bool:
         """Wait for every load in flight (tests and shutdown); whether they all finished."""
@@ -223,6 +239,7 @@ class LMCtlConnectorWorker:
                 self._writer.drop(op.key, "error")
                 continue
             self._writer.submit(op.key, buf, self._layout, fmt.chunk_size, op.prefix)
+        self._report_queues()
 
     def take_stats(self) -> dict[str, Any] | None:
         """The figures recorded since the last call, for vLLM's metrics (None if none)."""

@@ -662,7 +662,9 @@ class Daemon:
         """``status`` and the store's metric cells (every process's counts; see lmctl top)."""
         cells = [{"name": c.name, "labels": c.labels, "value": c.value, "count": c.count, "sum": c.sum}
                  for c in self.state.store.metric_cells()]
-        return {"time": time.time(), "status": self._status(), "cells": cells}
+        gauges = [{"name": g.name, "labels": g.labels, "value": g.value, "time": g.time}
+                  for g in self.state.store.metric_gauges()]
+        return {"time": time.time(), "status": self._status(), "cells": cells, "gauges": gauges}
 
     def _exporter_extra(self) -> dict[str, Any]:
         st = self.state

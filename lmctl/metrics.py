@@ -70,6 +70,13 @@ EVENT_COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+#: gauges processes set (``Store.set_gauge``) -> help; exported while younger than a minute
+GAUGES: dict[str, str] = {
+    "engine_save_queue": "Chunks an engine process has queued for its writer (or is writing), per pid.",
+    "engine_loads_in_flight": "Requests whose chunks an engine process is loading, per pid.",
+}
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``PORT`` (loopback), ``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
     text = value.strip()
@@ -124,6 +131,12 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("lmctl_write_amplification", "Bytes written to segment files per payload byte.",
                                 value=stats.write_amplification)
         yield from _cell_families(cells)
+        gauges: dict[str, GaugeMetricFamily] = {}
+        for g in store.metric_gauges():
+            if g.name in GAUGES:
+                fam = gauges.setdefault(g.name, GaugeMetricFamily("lmctl_" + g.name, GAUGES[g.name], labels=["pid"]))
+                fam.add_metric([g.labels.get("pid", "")], g.value)
+        yield from gauges.values()
         events = store.event_counters()
         for kind, (metric, doc) in EVENT_COUNTERS.items():
             events_fam = CounterMetricFamily(metric, doc, labels=["reason"])

@@ -3,8 +3,9 @@
 Each refresh asks the daemon for ``metrics`` (its status and the store's metric cells, which
 every process using the store adds to) and shows rates over the last interval next to the
 totals: engine hit rate per model and adapter, loads and saves per tier, remote tier traffic,
-tier usage, and the daemon's running jobs. ``q`` (or Ctrl-C) quits. Where stdout is not a
-terminal it prints ``--iterations`` frames one after the other (one by default).
+tier usage, engine processes' save queues and loads in flight, and the daemon's running
+jobs. ``q`` (or Ctrl-C) quits. Where stdout is not a terminal it prints ``--iterations``
+frames one after the other (one by default).
 """
 
 from __future__ import annotations
@@ -64,9 +65,16 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
                       "save_bytes_per_s": rate("save_bytes_total", tier=name),
                        "loads_per_s": rate("loads_total", tier=name), "saves_per_s": rate("saves_total", tier=name)}
     remote_reads = _total(cur, "load_bytes_total", tier="remote")
+    queues: dict[str, dict[str, int]] = {}
+    for g in cur.get("gauges", []):
+        pid = g["labels"].get("pid", "?")
+        if g["name"] == "engine_save_queue":
+            queues.setdefault(pid, {"save_queue": 0, "loads_in_flight": 0})["save_queue"] = int(g["value"])
+        elif g["name"] == "engine_loads_in_flight":
+            queues.setdefault(pid, {"save_queue": 0, "loads_in_flight": 0})["loads_in_flight"] = int(g["value"])
     out: dict[str, Any] = {"time": cur["time"], "interval_s": dt, "engines": engines, "tiers": tiers,
-                           "remote_load_bytes": remote_reads, "jobs": status["jobs"],
-                           "counters": status["store"]["counters"]}
+                           "queues": dict(sorted(queues.items())), "remote_load_bytes": remote_reads,
+                           "jobs": status["jobs"], "counters": status["store"]["counters"]}
     rm = status["store"].get("remote")
     if rm:
         out["remote"] = {"url": rm["url"], "breaker": rm["breaker"],
@@ -117,6 +125,13 @@ def render(view: dict[str, Any], live: bool = True) -> Any:
     k = view["counters"]
     parts.append(Text(f"corrupt {k.get('corrupt', 0)}  evicted {k.get('evicted', 0)}  "
                       f"rejected (full) {k.get('rejected_full', 0)}"))
+    if view["queues"]:
+        q = Table(title="engine queues (processes that reported in the last minute)", title_justify="left")
+        for col in ("pid", "saves queued", "loads in flight"):
+            q.add_column(col, justify="right")
+        for pid, v in view["queues"].items():
+            q.add_row(pid, str(v["save_queue"]), str(v["loads_in_flight"]))
+        parts.append(q)
     if view["jobs"]:
         jobs = Table(title="daemon jobs", title_justify="left")
         for col in ("id", "command", "progress", "running"):

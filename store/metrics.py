@@ -11,6 +11,11 @@ Cells: key ``m:`` + JSON ``[name, [[label, value], ...]]`` (labels sorted), valu
 little-endian doubles: a counter is one double; a histogram is its count, its sum, then the
 count of each bucket of ``SECONDS_BUCKETS`` (not cumulative; observations above the last
 bucket are only in the count).
+
+Gauges are a process's current value (an engine's save queue depth, its loads in flight),
+labelled by the process: key ``g:`` + the same JSON, value its value and the time it was set
+(two doubles). Readers take the ones set recently (``max_age_s``): a process that stopped
+leaves a value that ages out.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,6 +31,11 @@ from dataclasses import dataclass
 SECONDS_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                       2.5, 5.0, 10.0)
 PREFIX = b"m:"
+#: gauges (a process's current value, e.g. an engine's save queue) are kept apart: ``g:``
+GAUGE_PREFIX = b"g:"
+#: a gauge whose value did not change is written again after this long, so readers that take
+#: values younger than a minute still see it
+GAUGE_REFRESH_S = 20.0
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -54,13 +65,44 @@ class Cell:
         return bool(self.buckets)
 
 
+@dataclass(frozen=True)
+class Gauge:
+    """A process's current value of ``name`` and when it was set (Unix time)."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+    time: float
+
+
 class Meter:
-    """Pending deltas of this process, until the store writes them to its index."""
+    """Pending deltas (and gauge values) of this process, until the store writes them to its
+    index."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, Labels], float] = {}
         self._hists: dict[tuple[str, Labels], list[float]] = {}
+        self._gauges: dict[tuple[str, Labels], tuple[float, float]] = {}
+        self._gauge_last: dict[tuple[str, Labels], tuple[float, float]] = {}
+
+    def gauge(self, name: str, value: float, **labels: str) -> bool:
+        """Set the gauge ``name`` (with these labels) to ``value`` now. The same value set
+        less than ``GAUGE_REFRESH_S`` ago is not written again (an idle process does not
+        write every second); returns whether it will be written."""
+        k = (name, _labels(labels))
+        now = time.time()
+        with self._lock:
+            last = self._gauge_last.get(k)
+            if last is not None and last[0] == value and now - last[1] < GAUGE_REFRESH_S:
+                return False
+            self._gauge_last[k] = self._gauges[k] = (float(value), now)
+        return True
+
+    def take_gauges(self) -> dict[tuple[str, Labels], tuple[float, float]]:
+        with self._lock:
+            out, self._gauges = self._gauges, {}
+        return out
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         """Add ``value`` to the counter ``name`` with these labels."""
@@ -117,6 +159,27 @@ def add_to_cells(get: Callable[[bytes], bytes | memoryview | None], put: Callabl
         n = len(h)
         old = list(struct.unpack(f"<{n}d", raw)) if raw is not None and len(raw) == 8 * n else [0.0] * n
         put(key, struct.pack(f"<{n}d", *(a + b for a, b in zip(old, h, strict=True))))
+
+
+def put_gauges(put: Callable[[bytes, bytes], object], gauges: dict[tuple[str, Labels], tuple[float, float]]) -> None:
+    """Write gauge values (the latest wins) through ``put(key, value)``."""
+    for (name, labels), (value, at) in gauges.items():
+        put(GAUGE_PREFIX + cell_key(name, labels)[len(PREFIX):], struct.pack("<dd", value, at))
+
+
+def parse_gauges(items: Iterable[tuple[bytes, bytes]], max_age_s: float | None = None) -> list[Gauge]:
+    """Gauges from (key, value) pairs that start with ``GAUGE_PREFIX``, set within ``max_age_s``."""
+    now = time.time()
+    out = []
+    for key, raw in items:
+        try:
+            name, labels = json.loads(bytes(key[len(GAUGE_PREFIX):]))
+            value, at = struct.unpack("<dd", raw)
+        except (ValueError, TypeError, struct.error):
+            continue
+        if max_age_s is None or now - at <= max_age_s:
+            out.append(Gauge(str(name), {str(k): str(v) for k, v in labels}, value, at))
+    return out
 
 
 def parse_cells(items: Iterable[tuple[bytes, bytes]]) -> list[Cell]:

@@ -33,7 +33,7 @@ from .index import (
     unpack_counts,
 )
 from .keys import DTYPE_SIZES, Namespace, short_key
-from .metrics import PREFIX, Cell, Meter, add_to_cells, parse_cells
+from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
 from .segment import CorruptRecord, SegmentGone
 from .space import TierState
 from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
@@ -358,8 +358,9 @@ class Reads:
             counts, self._counts = self._counts, {"hits": 0, "misses": 0}
             self._last_flush = time.monotonic()
             metric_counts, metric_hists = self.meter.take()
+            gauges = self.meter.take_gauges()
         if self.index.readonly or (not pending and not any(counts.values()) and not metric_counts
-                                   and not metric_hists):
+                                   and not metric_hists and not gauges):
             return
 
         def fn(t: Txn) -> None:
@@ -371,6 +372,7 @@ class Reads:
             meta = self.index.meta
             add_to_cells(lambda k: t.raw.get(k, db=meta), lambda k, v: t.raw.put(k, v, db=meta),
                          metric_counts, metric_hists)
+            put_gauges(lambda k, v: t.raw.put(k, v, db=meta), gauges)
 
         try:
             self.index.write(fn)
@@ -380,12 +382,19 @@ class Reads:
 
     def metric_cells(self) -> list[Cell]:
         """The stored metric totals (store/metrics.py), every process's flushed counts."""
+        return parse_cells(self._meta_rows(PREFIX))
+
+    def metric_gauges(self, max_age_s: float | None) -> list[Gauge]:
+        """The gauges processes set within ``max_age_s`` (store/metrics.py)."""
+        return parse_gauges(self._meta_rows(GAUGE_PREFIX), max_age_s)
+
+    def _meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         with self.index.read() as t:
             cur = t.raw.cursor(db=self.index.meta)
             items = []
-            if cur.set_range(PREFIX):
+            if cur.set_range(prefix):
                 for k, v in cur:
-                    if not bytes(k).startswith(PREFIX):
+                    if not bytes(k).startswith(prefix):
                         break
                     items.append((bytes(k), bytes(v)))
-        return parse_cells(items)
+        return items

@@ -43,7 +43,7 @@ from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import Namespace, NamespaceRecord, prefix_ids
-from .metrics import Cell, Meter
+from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
 from .private import make_private_dir, tighten
@@ -249,6 +249,19 @@ class Store:
         m.inc("lookup_hit_tokens_total", hit_tokens, **who)
         m.inc("lookup_miss_tokens_total", max(0, tokens - hit_tokens), **who)
         self._reads.flush_if_due()
+
+    def set_gauge(self, name: str, value: float, **labels: str) -> None:
+        """Set this process's current value of a gauge (e.g. an engine's save queue depth,
+        labelled by its pid); written with the access log, read by ``metric_gauges``."""
+        if self._reads.meter.gauge(name, value, **labels):
+            self._reads.flush_if_due()
+
+    def metric_gauges(self, max_age_s: float | None = 60.0) -> list[Gauge]:
+        """The gauges every process set within ``max_age_s`` seconds (this process's written
+        first)."""
+        if not self.readonly:
+            self.flush()
+        return self._reads.metric_gauges(max_age_s)
 
     def metric_cells(self) -> list[Cell]:
         """The metric totals of every process that used this store (store/metrics.py), with

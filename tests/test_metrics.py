@@ -5,6 +5,7 @@ other processes' puts and reads, and a real vLLM engine's lookups, saves and loa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,23 @@ def test_a_quiet_process_flushes_its_counts_by_itself(tmp_path: Path) -> None:
         proc.wait()
 
 
+def test_gauges_are_the_latest_value_of_each_process_and_age_out(tmp_path: Path) -> None:
+    from store import metrics as metrics_mod
+
+    with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
+        s.set_gauge("engine_save_queue", 3, pid="1")
+        s.set_gauge("engine_save_queue", 5, pid="1")  # the latest wins
+        s.set_gauge("engine_save_queue", 0, pid="2")
+        got = {(g.name, g.labels["pid"]): g.value for g in s.metric_gauges()}
+        assert got == {("engine_save_queue", "1"): 5, ("engine_save_queue", "2"): 0}
+        assert s.metric_gauges(max_age_s=-1) == []  # too old for a reader that wants fresh ones
+        m = metrics_mod.Meter()
+        assert m.gauge("q", 1, pid="1") and not m.gauge("q", 1, pid="1")  # the same value is not written again
+        assert m.gauge("q", 2, pid="1") and len(m.take_gauges()) == 1
+    with Store(tmp_path / "s", readonly=True) as again:  # another process reads them
+        assert {g.labels["pid"] for g in again.metric_gauges()} == {"1", "2"}
+
+
 def test_meter_histogram_buckets_and_give_back() -> None:
     m = Meter()
     for x in (0.0001, 0.003, 0.003, 7.0, 99.0):
@@ -173,6 +191,10 @@ def test_exporter_over_http_after_engine_traffic(models: dict[str, Path], tmp_pa
     assert value(after, "lmctl_tier_chunks", tier="nvme") == 2
     assert value(after, "lmctl_tier_bytes", tier="nvme") > 0
     assert value(after, "lmctl_chunk_hits_total") == 2
+    # the engine's queues, as it last reported them (drained: it closed after its saves)
+    assert ("lmctl_engine_save_queue", (("pid", str(os.getpid())),)) in after
+    assert value(after, "lmctl_engine_save_queue", pid=str(os.getpid())) == 0
+    assert value(after, "lmctl_engine_loads_in_flight", pid=str(os.getpid())) == 0
 
 
 def test_exporter_shows_operator_work_and_the_event_totals(tmp_path: Path) -> None:
@@ -215,6 +237,8 @@ def engine_traffic(store: Path, lookups: int) -> None:
         with Store({str(store)!r}) as s:
             for _ in range({lookups}):
                 s.count_lookup(NS, 48, 64)
+            s.set_gauge("engine_save_queue", 2, pid="4711")
+            s.set_gauge("engine_loads_in_flight", 1, pid="4711")
     """)
     subprocess.run([sys.executable, "-c", code], env=env_with_path(), check=True, timeout=120)
 
@@ -234,6 +258,8 @@ def test_top_shows_hit_rates_tiers_and_rates(daemon: Daemon) -> None:
     assert eng["hit_rate_now"] is None  # nothing happened during the interval
     frames = lmctl(daemon, "--json", "top", "--interval", "0.1", "--iterations", "3").stdout.splitlines()
     assert len(frames) == 3 and all(json.loads(f)["interval_s"] > 0.05 for f in frames)  # a JSON line per frame
+    assert view["queues"] == {"4711": {"save_queue": 2, "loads_in_flight": 1}}
+    assert "engine queues" in r.stdout and "4711" in r.stdout
     nvme = view["tiers"]["nvme"]
     assert nvme["chunks"] == 6 and nvme["loads_per_s"] == 0.0
 
@@ -267,15 +293,15 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_exporter_has() -> None:
     """docs/grafana-dashboard.json must not drift from lmctl/metrics.py."""
     import re
 
-    from lmctl.metrics import CELLS, EVENT_COUNTERS, STORE_COUNTERS
+    from lmctl.metrics import CELLS, EVENT_COUNTERS, GAUGES, STORE_COUNTERS
 
     known = {"lmctl_" + c for c in CELLS} | {m for m, _ in STORE_COUNTERS.values()} | {
-        m for m, _ in EVENT_COUNTERS.values()} | {
+        m for m, _ in EVENT_COUNTERS.values()} | {"lmctl_" + g for g in GAUGES} | {
         "lmctl_tier_chunks", "lmctl_tier_bytes", "lmctl_tier_capacity_bytes", "lmctl_tier_pinned_bytes",
         "lmctl_tier_disk_bytes", "lmctl_write_amplification", "lmctl_daemon_jobs", "lmctl_daemon_requests_total",
         "lmctl_daemon_request_errors_total", "lmctl_remote_breaker_state"}
     exporter = (ROOT / "lmctl" / "metrics.py").read_text()
-    assert all(f'"{m}"' in exporter or m[len("lmctl_"):] in CELLS for m in known)
+    assert all(f'"{m}"' in exporter or m[len("lmctl_"):] in CELLS or m[len("lmctl_"):] in GAUGES for m in known)
     dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
     used = {re.sub(r"_(bucket|count|sum)$", "", m) if m.startswith("lmctl_load_seconds") or
             m.startswith("lmctl_save_seconds") else m
