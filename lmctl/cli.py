@@ -434,8 +434,16 @@ def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
 
 def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     if "chunk" in r:
-        term.table(None, ["field", "value"], [[k, json.dumps(v) if not isinstance(v, str) else v]
-                                              for k, v in r["chunk"].items()])
+        now = time.time()
+
+        def shown(k: str, v: Any) -> str:
+            if k in ("created", "last_access") and isinstance(v, (int, float)):
+                return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v)) + f" ({ago(now - v)} ago)"
+            if v is None:
+                return "-"
+            return v if isinstance(v, str) else json.dumps(v)
+
+        term.table(None, ["field", "value"], [[k, shown(k, v)] for k, v in r["chunk"].items()])
         return
     c = term.console()
     if "scope" in r:
@@ -444,8 +452,6 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
         c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
     _tiers(term, r["tiers"])
     if r["models"]:
-        import time
-
         term.table("models (one row per checkpoint fingerprint)",
                    ["model", "fingerprint", "last used", "chunks", "bytes"],
                    [[m["model"], (m["fingerprint"] or "-")[:12] + (" (retired)" if m["retired"] else ""),
@@ -483,8 +489,6 @@ def ago(seconds: float) -> str:
 
 
 def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
-    import time
-
     now = time.time()
     rows = [[chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
              str(x["hits"]), ago(now - x["created"]), ago(now - x["last_access"]) + " ago",

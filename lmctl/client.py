@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,8 @@ class Client:
             raise Unreachable(self.path, "no such socket") from None
         except ConnectionRefusedError:
             s.close()
+            if os.path.exists(self.path) and not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise Unreachable(self.path, "not a socket") from None
             raise Unreachable(self.path, "connection refused: stale socket") from None
         except PermissionError:
             s.close()

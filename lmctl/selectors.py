@@ -76,9 +76,14 @@ SELECTOR_NAMES = [p.name for p in SELECTORS]
 
 def contradicting_flags(words: list[str]) -> str | None:
     """What contradicts itself on a command line before the parser sees it: of
-    ``--pinned/--unpinned`` the parser would keep the last one without a word."""
+    ``--pinned/--unpinned``, or of a document option given twice, the parser would keep the
+    last one without a word."""
     if "--pinned" in words and "--unpinned" in words:
         return "--pinned and --unpinned contradict each other: give one"
+    for flag in ("--text", "--file", "--tokens", "--messages"):  # the parser would keep the last
+        n = sum(1 for w in words if w == flag or w.startswith(flag + "="))
+        if n > 1:
+            return f"{flag} was given {n} times: give one document"
     return None
 
 

@@ -81,6 +81,8 @@ def test_usage_errors_exit_2_as_one_line_or_a_json_object(tmp_path: Path) -> Non
     # the parser would keep the last of --pinned/--unpinned; --json after the command counts too
     e = error(lmctl(None, "ls", "--pinned", "--unpinned", "--json"))
     assert e == {"code": "usage", "message": "--pinned and --unpinned contradict each other: give one", "exit": 2}
+    e = error(lmctl(None, "--json", "lookup", "--tokens", "a.json", "--tokens=b.json"))  # not just the last one
+    assert e == {"code": "usage", "message": "--tokens was given 2 times: give one document", "exit": 2}
     r = lmctl(None, "ls", "--older-than", "soon")
     assert r.exit_code == 2 and r.stderr == "lmctl: 'soon' is not a duration like 90s, 30m, 12h or 7d\n"
     sock = tmp_path / "nobody.sock"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -126,6 +127,10 @@ def test_status_lookup_inspect_ls(daemon: Daemon, tmp_path: Path) -> None:
     # human output: a table with human sizes
     r = cli(daemon, "inspect")
     assert r.returncode == 0 and "nvme" in r.stdout and "MiB" in r.stdout
+    r = cli(daemon, "inspect", "--key", NS.chunk_keys(TOKENS)[0].hex())  # times as dates and ages, not epochs
+    assert r.returncode == 0 and re.search(r"created +│ 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d \(\d+[smhd] ago\)", r.stdout)
+    r = cli(None, "status", sock=str(tmp_path))  # a folder given as the socket: said so, exit 3
+    assert r.returncode == 3 and "not a socket" in r.stderr and r.stderr.count("\n") == 1
 
 
 def test_pin_unpin_evict_compress_and_dry_runs(daemon: Daemon, tmp_path: Path) -> None:
