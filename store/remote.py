@@ -325,6 +325,23 @@ class _Read:
         if self.kind == "reading":
             self.kind, self.problem = "torn", problem
 
+    def accept(self, i: int, reply: object) -> memoryview | None:
+        """Piece ``i``'s reply, seen by its length (an int), None (the key is gone) or
+        anything else (not a string): the slice of the buffer its bytes go to, or None when
+        they are not wanted (noted as missing or torn, or the read has already failed)."""
+        if self.kind != "reading" or self.head is None or i >= self.head.piece_count:
+            return None
+        want = self.piece_len(i)
+        if reply is None:
+            self.missing += 1
+        elif not isinstance(reply, int):
+            self.fail(f"piece {i} is not a string ({reply!r})")
+        elif reply != want:
+            self.fail(f"piece {i} has {reply} bytes, not {want}")
+        else:
+            return self.slot(i)
+        return None
+
     def finish(self) -> _Read:
         """The verdict once every piece has been received."""
         if self.kind == "reading" and self.head is not None:
@@ -814,27 +831,17 @@ class RemoteTier:
         consumed, whatever ``r`` has found wrong)."""
         for i in range(first, end):
             n = rd.header()
-            if r.kind != "reading" or r.head is None or i >= r.head.piece_count:
-                if isinstance(n, int):
-                    rd.skip(n)
-                continue
-            want = r.piece_len(i)
-            if n is None:
-                r.missing += 1
-            elif isinstance(n, Exception):
-                r.fail(f"piece {i} is not a string ({n})")
-            elif n != want:
-                r.fail(f"piece {i} has {n} bytes, not {want}")
-                rd.skip(n)
-            else:
-                view = r.slot(i)
+            view = r.accept(i, n)
+            if view is not None:
                 rd.read_into(view)
                 r.hasher.update(view)
+            elif isinstance(n, int):
+                rd.skip(n)
 
     def _read_pipelined(self, client: Any, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer],
                         guess: int) -> _Read:
-        """The read through redis-py's pipelines (a cluster, or RESP3): the replies come as
-        ``bytes``, copied into the buffer."""
+        """The read through redis-py's pipelines (a cluster client, or a client-side cache):
+        the replies come as ``bytes``, copied into the buffer."""
 
         def gets(names: list[str]) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -853,15 +860,9 @@ class RemoteTier:
             if count > guess:
                 pieces += gets(self.piece_keys(key, count, guess))
             for i, piece in enumerate(pieces):
-                want = r.piece_len(i)
-                if piece is None:
-                    r.missing += 1
-                elif not isinstance(piece, bytes):
-                    r.fail(f"piece {i} is not a string ({piece!r})")
-                elif len(piece) != want:
-                    r.fail(f"piece {i} has {len(piece)} bytes, not {want}")
-                elif r.kind == "reading":
-                    r.slot(i)[:] = piece
+                view = r.accept(i, len(piece) if isinstance(piece, bytes) else piece)
+                if view is not None:
+                    view[:] = piece
                     r.hasher.update(piece)
         return r.finish()
 
