@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .index import Index, prefix_row
 from .keys import Namespace, NamespaceRecord
@@ -61,19 +61,31 @@ def when(t: float) -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({rel})"
 
 
-def differences(asked: Namespace, asked_salt: str | None, rec: NamespaceRecord) -> list[tuple[str, str]]:
-    """How a recorded namespace differs from the asked one: (reason code, what differs), in
-    ``ORDER``."""
-    out: list[tuple[str, str]] = []
+class _Holder(NamedTuple):
+    """A chunk of another namespace that ends the same token prefix, and how far its namespace
+    is from the asked one: ``distance`` = (reasons that differ, the first one's place in
+    ``ORDER``, fields that differ); the closest holder names the reason."""
+
+    distance: tuple[int, int, int]
+    code: str
+    what: str
+    key: bytes
+    record: NamespaceRecord | None
+
+
+def differences(asked: Namespace, asked_salt: str | None, rec: NamespaceRecord) -> list[tuple[str, str, int]]:
+    """How a recorded namespace differs from the asked one: (reason code, what differs, how
+    many fields), in ``ORDER``."""
+    out: list[tuple[str, str, int]] = []
     if rec.model != asked.model:
-        out.append(("other-model", f"model {rec.model} (asked {asked.model})"))
+        out.append(("other-model", f"model {rec.model} (asked {asked.model})", 1))
     a, b = asked.adapter, rec.adapter
     if a != b:
         if a is not None and b is not None and a.name == b.name:
-            out.append(("other-adapter-version", f"adapter {b} (another version of {b.name}; asked {a})"))
+            out.append(("other-adapter-version", f"adapter {b} (another version of {b.name}; asked {a})", 1))
         else:
             out.append(("other-adapter", f"{'the base model' if b is None else f'adapter {b}'} (asked "
-                                         f"{'the base model' if a is None else f'adapter {a}'})"))
+                                         f"{'the base model' if a is None else f'adapter {a}'})", 1))
     if rec.salted != (asked_salt is not None) or (rec.salted and rec.salt_digest != asked_salt):
         if not rec.salted:
             what = "no cache salt (the lookup gave one)"
@@ -81,14 +93,14 @@ def differences(asked: Namespace, asked_salt: str | None, rec: NamespaceRecord) 
             what = f"a cache salt (keyed digest {(rec.salt_digest or '?')[:12]}…; the lookup gave none)"
         else:
             what = f"another cache salt (keyed digest {(rec.salt_digest or '?')[:12]}…)"
-        out.append(("other-salt", what))
+        out.append(("other-salt", what, 1))
     if rec.model_fingerprint != asked.model_fingerprint:
         out.append(("other-model-fingerprint", f"model fingerprint {(rec.model_fingerprint or 'none')[:12]} "
-                                               f"(asked {(asked.model_fingerprint or 'none')[:12]})"))
+                                               f"(asked {(asked.model_fingerprint or 'none')[:12]})", 1))
     fa, fb = asdict(asked.kv_format), asdict(rec.kv_format)
     changed = [f"{k} {fb[k]} (asked {fa[k]})" for k in fa if fa[k] != fb.get(k)]
     if changed:
-        out.append(("other-kv-format", "KV format " + ", ".join(changed)))
+        out.append(("other-kv-format", "KV format " + ", ".join(changed), len(changed)))
     return out
 
 
@@ -163,8 +175,7 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
         details["event"] = ev
 
     # other namespaces that hold the same token prefix
-    Candidate = tuple[int, int, int, str, str, bytes, NamespaceRecord | None]
-    best: Candidate | None = None
+    best: _Holder | None = None
     prefixes = store.prefix_ids(tokens, cs, limit=i + 1)
     if len(prefixes) > i:
         records = store.namespace_records()
@@ -174,22 +185,22 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
             if nid == ns.ns_id:
                 continue
             got = records.get(nid)
-            cand: Candidate
+            cand: _Holder
             if got is None:
-                cand = (99, 99, 0, "other-namespace", f"namespace {nid.hex()[:12]} (not recorded)", other, None)
+                cand = _Holder((99, 99, 0), "other-namespace", f"namespace {nid.hex()[:12]} (not recorded)", other,
+                               None)
             else:
-                diffs = differences(ns, asked_salt, got[0]) or [("other-namespace", f"namespace {nid.hex()[:12]}")]
-                code, what = diffs[0]
+                diffs = differences(ns, asked_salt, got[0]) or [
+                    ("other-namespace", f"namespace {nid.hex()[:12]}", 0)]
+                code = diffs[0][0]
                 rank = ORDER.index(code) if code in ORDER else 99
-                # the closest holder: fewest differing reasons, then the first reason in ORDER,
-                # then fewest differing fields (each named once, with what was asked)
-                fields = sum(w.count("(asked") for _c, w in diffs)
-                cand = (len(diffs), rank, fields, code, "; ".join(w for _c, w in diffs), other, got[0])
-            if best is None or cand[:3] < best[:3]:
+                cand = _Holder((len(diffs), rank, sum(n for _c, _w, n in diffs)), code,
+                               "; ".join(w for _c, w, _n in diffs), other, got[0])
+            if best is None or cand.distance < best.distance:
                 best = cand
     if best is not None:
-        _n, _r, _f, code, what, other, rec = best
-        holder: dict[str, Any] = {"key": other.hex(), "differs": what, "reason": code}
+        rec = best.record
+        holder: dict[str, Any] = {"key": best.key.hex(), "differs": best.what, "reason": best.code}
         if rec is not None:
             holder["namespace"] = {"model": rec.model, "adapter": None if rec.adapter is None else str(rec.adapter),
                                    "salted": rec.salted, "salt_digest": rec.salt_digest,
@@ -209,10 +220,10 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
                            f"hold the chunk{local}", details)
     if ev is not None:
         code, text = _event_sentence(ev, no_remote=sharing is None)
-        also = f"; the same tokens are stored for {best[4]}" if best is not None else ""
+        also = f"; the same tokens are stored for {best.what}" if best is not None else ""
         return Explanation(i, i * cs, key, code, f"{where} misses: {text}{also}", details)
     if best is not None:
-        code, what = best[3], best[4]
+        code, what = best.code, best.what
         why = {"other-adapter": "two adapters never share KV",
                "other-adapter-version": "the adapter's weights changed since",
                "other-salt": "chunks of different cache salts are kept apart",
