@@ -23,13 +23,14 @@ from .terminal import human
 Snapshot = dict[str, Any]
 
 
-def _cells(snap: Snapshot) -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, Any]]:
-    return {(c["name"], tuple(sorted(c["labels"].items()))): c for c in snap.get("cells", [])}
+#: engine gauges (by pid) -> their field in the view's ``queues``
+QUEUE_GAUGES = {"engine_save_queue": "save_queue", "engine_loads_in_flight": "loads_in_flight"}
 
 
 def _total(snap: Snapshot, name: str, field: str = "value", **match: str) -> float:
-    return sum(c[field] for (n, labels), c in _cells(snap).items()
-               if n == name and all(dict(labels).get(k) == v for k, v in match.items()))
+    """The sum of ``field`` over the snapshot's cells of ``name`` whose labels include ``match``."""
+    return sum(c[field] for c in snap.get("cells", [])
+               if c["name"] == name and all(c["labels"].get(k) == v for k, v in match.items()))
 
 
 def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
@@ -42,8 +43,8 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
             return None
         return max(0.0, _total(cur, name, field, **match) - _total(prev, name, field, **match)) / dt
 
-    who = sorted({(dict(labels).get("model", ""), dict(labels).get("adapter", ""))
-                  for (n, labels) in _cells(cur) if n == "lookups_total"})
+    who = sorted({(c["labels"].get("model", ""), c["labels"].get("adapter", ""))
+                  for c in cur.get("cells", []) if c["name"] == "lookups_total"})
     engines = []
     for model, adapter in who:
         hit = _total(cur, "lookup_hit_tokens_total", model=model, adapter=adapter)
@@ -61,17 +62,15 @@ def rates(prev: Snapshot | None, cur: Snapshot) -> dict[str, Any]:
     for name, t in status["store"]["tiers"].items():
         tiers[name] = {"chunks": t["chunks"], "bytes": t["bytes"], "capacity": t["capacity"],
                        "pinned_bytes": t["pinned_bytes"],
-                      "load_bytes_per_s": rate("load_bytes_total", tier=name),
-                      "save_bytes_per_s": rate("save_bytes_total", tier=name),
+                       "load_bytes_per_s": rate("load_bytes_total", tier=name),
+                       "save_bytes_per_s": rate("save_bytes_total", tier=name),
                        "loads_per_s": rate("loads_total", tier=name), "saves_per_s": rate("saves_total", tier=name)}
     remote_reads = _total(cur, "load_bytes_total", tier="remote")
     queues: dict[str, dict[str, int]] = {}
     for g in cur.get("gauges", []):
-        pid = g["labels"].get("pid", "?")
-        if g["name"] == "engine_save_queue":
-            queues.setdefault(pid, {"save_queue": 0, "loads_in_flight": 0})["save_queue"] = int(g["value"])
-        elif g["name"] == "engine_loads_in_flight":
-            queues.setdefault(pid, {"save_queue": 0, "loads_in_flight": 0})["loads_in_flight"] = int(g["value"])
+        if g["name"] in QUEUE_GAUGES:
+            row = queues.setdefault(g["labels"].get("pid", "?"), dict.fromkeys(QUEUE_GAUGES.values(), 0))
+            row[QUEUE_GAUGES[g["name"]]] = int(g["value"])
     out: dict[str, Any] = {"time": cur["time"], "interval_s": dt, "engines": engines, "tiers": tiers,
                            "queues": dict(sorted(queues.items())), "remote_load_bytes": remote_reads,
                            "jobs": status["jobs"], "counters": status["store"]["counters"]}
