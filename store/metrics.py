@@ -40,8 +40,8 @@ GAUGE_REFRESH_S = 20.0
 Labels = tuple[tuple[str, str], ...]
 
 
-def cell_key(name: str, labels: Labels) -> bytes:
-    return PREFIX + json.dumps([name, [list(kv) for kv in labels]], separators=(",", ":")).encode()
+def cell_key(name: str, labels: Labels, prefix: bytes = PREFIX) -> bytes:
+    return prefix + json.dumps([name, [list(kv) for kv in labels]], separators=(",", ":")).encode()
 
 
 def _labels(labels: dict[str, str]) -> Labels:
@@ -164,7 +164,7 @@ def add_to_cells(get: Callable[[bytes], bytes | memoryview | None], put: Callabl
 def put_gauges(put: Callable[[bytes, bytes], object], gauges: dict[tuple[str, Labels], tuple[float, float]]) -> None:
     """Write gauge values (the latest wins) through ``put(key, value)``."""
     for (name, labels), (value, at) in gauges.items():
-        put(GAUGE_PREFIX + cell_key(name, labels)[len(PREFIX):], struct.pack("<dd", value, at))
+        put(cell_key(name, labels, GAUGE_PREFIX), struct.pack("<dd", value, at))
 
 
 def parse_gauges(items: Iterable[tuple[bytes, bytes]], max_age_s: float | None = None) -> list[Gauge]:
