@@ -22,8 +22,9 @@ import pytest
 import redis
 from redis_server import Server, free_port
 
+from store.breaker import CircuitBreaker
 from store.errors import StoreError
-from store.remote import CircuitBreaker, RemoteMeta, RemoteTier, redacted
+from store.remote import RemoteMeta, RemoteTier, redacted
 
 KiB = 1024
 
