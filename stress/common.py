@@ -1,8 +1,10 @@
-"""Deterministic chunk keys and payloads shared by the reliability suite and its workers."""
+"""What the reliability suite's scenarios share: deterministic chunk keys and payloads (its
+workers use them too) and the tally each scenario returns."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 
 def key(i: int) -> bytes:
@@ -16,3 +18,19 @@ def content(k: bytes, n: int) -> bytes:
     for pos in range(0, n, 4096):
         out[pos : pos + 8] = pos.to_bytes(8, "little")
     return bytes(out)
+
+
+class Tally:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.trials = 0
+        self.failures: list[str] = []
+        self.facts: dict[str, Any] = {}
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.failures.append(what)
+
+    def row(self) -> dict[str, Any]:
+        return {"scenario": self.name, "trials": self.trials, "failures": len(self.failures),
+                "first_failures": self.failures[:5], **self.facts}

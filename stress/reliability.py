@@ -49,29 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from store import DiskFullError, MiB, Store, StoreConfig, StoreError, TierConfig  # noqa: E402
 from store.errors import IndexWriteError  # noqa: E402
-from stress.common import content, key  # noqa: E402
+from stress.common import Tally, content, key  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def on_disk(store: Store, tier: str = "nvme") -> int:
     return sum(p.stat().st_size for p in (Path(store.path) / tier).glob("seg-*.lseg"))
-
-
-class Tally:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.trials = 0
-        self.failures: list[str] = []
-        self.facts: dict[str, Any] = {}
-
-    def check(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.failures.append(what)
-
-    def row(self) -> dict[str, Any]:
-        return {"scenario": self.name, "trials": self.trials, "failures": len(self.failures),
-                "first_failures": self.failures[:5], **self.facts}
 
 
 # -- kills ---------------------------------------------------------------------------------
@@ -452,6 +436,16 @@ def scenario_concurrent(work: Path, seconds: float) -> Tally:
     t.check(rc == 0 and "Traceback" not in err, "the daemon exited badly or logged a traceback")
     t.facts.update(client_calls=calls[0], seconds=seconds, fixed_after_writer_kill=len(v["problems"]))
     return t
+
+
+def topic(name: str) -> Callable[..., Tally]:
+    """The scenario ``scenario_<name>`` of the module ``stress/scenario_<name>.py`` (scenarios
+    of a topic of their own live in a module of their own, imported only when they run)."""
+    import importlib
+
+    module = importlib.import_module(f"stress.scenario_{name}")
+    fn: Callable[..., Tally] = getattr(module, f"scenario_{name}")
+    return fn
 
 
 def main() -> int:
