@@ -301,7 +301,7 @@ class SegmentIO:
                     views = [piece, memoryview(bytes(m - len(piece)))]
                 else:  # O_DIRECT from an unaligned source: through a ring of aligned buffers
                     slot = i % self.depth
-                    if slot >= len(staging):
+                    while len(staging) <= slot:  # the ring fills lazily: earlier pieces may have gone zero-copy
                         staging.append(self.pool.take(min(PIECE, max(body, ALIGN))))
                         pw.buffers.append(staging[-1])
                     prev = inflight[slot]
