@@ -198,7 +198,7 @@ def serve(
     capacity: Annotated[list[str] | None, typer.Option(
         help="a tier's capacity, TIER=SIZE (or SIZE for the default tier); repeatable")] = None,
     tier_path: Annotated[list[str] | None, typer.Option(
-        help="a tier's folder, TIER=PATH (e.g. dram=/dev/shm/lmctl); repeatable")] = None,
+        help="a tier's folder, TIER=PATH (e.g. dram=/dev/shm/lmctl-UID/main, a folder of yours); repeatable")] = None,
     pin_budget: Annotated[list[str] | None, typer.Option(
         help="a tier's pin budget, TIER=FRACTION or TIER=SIZE; repeatable")] = None,
     codec: Annotated[str | None, typer.Option(help="codec for new chunks: raw, zstd or zstd-shuffle")] = None,

@@ -186,7 +186,7 @@ class Recovery:
                 continue
             try:
                 # the file this store made, not a link, FIFO or file swapped in after the crash
-                fd = st.io.open_own(sid, os.O_RDWR)
+                fd = st.io.open_own(sid, os.O_RDWR, headless=True)
             except FileNotFoundError:
                 fd = -1
             except ForeignSegment as exc:
@@ -261,7 +261,7 @@ class Recovery:
         for st, sid in self.unknown_files():
             p = Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
             try:
-                fd = st.io.open_own(sid)
+                fd = st.io.open_own(sid, headless=True)
             except FileNotFoundError:
                 continue
             except ForeignSegment as exc:  # never this store's to remove
@@ -291,7 +291,7 @@ class Recovery:
         """What a file the index does not know is: an orphan of this store's, or not a segment
         of this store at all (opened only to tell)."""
         try:
-            os.close(st.io.open_own(sid))
+            os.close(st.io.open_own(sid, headless=True))
         except ForeignSegment as exc:
             return Problem("foreign-file", f"{exc}; left alone")
         except FileNotFoundError:
@@ -711,7 +711,7 @@ class Recovery:
                 for sid in st.io.segment_ids():
                     if sid in dropped:
                         try:  # this store's own file only
-                            os.close(st.io.open_own(sid))
+                            os.close(st.io.open_own(sid, headless=True))
                         except (FileNotFoundError, ForeignSegment):
                             continue
                         os.unlink(st.io.path(sid))

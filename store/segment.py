@@ -366,14 +366,17 @@ class SegmentIO:
             raise
         return fd
 
-    def open_own(self, seg_id: int, flags: int = os.O_RDONLY) -> int:
+    def open_own(self, seg_id: int, flags: int = os.O_RDONLY, headless: bool = False) -> int:
         """``open_checked``, and the segment's header says it is segment ``seg_id`` of this
         store (or of no store: written before store ids): the file recovery may cut, and
-        rebuild may index. ``ForeignSegment`` otherwise."""
+        rebuild may index. ``ForeignSegment`` otherwise. ``headless``: a file of this store's
+        user with no header yet (its writer was killed as it made it) passes too."""
         fd = self.open_checked(seg_id, flags, written=flags & os.O_ACCMODE != os.O_RDONLY)
         try:
             head = os.pread(fd, _SEGMENT_HEADER.size, 0)
-            if len(head) < _SEGMENT_HEADER.size:
+            if len(head) < _SEGMENT_HEADER.size or not any(head[: len(SEG_MAGIC)]):
+                if headless:
+                    return fd
                 raise ForeignSegment(f"{self.path(seg_id)} has no segment header")
             magic, _version, sid, _created, store = _SEGMENT_HEADER.unpack(head)
             if magic != SEG_MAGIC or sid != seg_id:

@@ -49,7 +49,8 @@ class HostileUser:
 
     def do(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """``fn(*args)`` run as this user (in a forked child); what it returns (JSON-able), or
-        ``AssertionError`` with what it raised."""
+        ``AssertionError`` with what it raised. What ``fn`` needs must be imported before:
+        the user may not be able to read the project's virtualenv."""
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: drop to the user, do it, report, exit
