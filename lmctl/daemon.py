@@ -143,7 +143,8 @@ def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.
     folder must be private (``store.private.check_folder``): no one else can put a link there
     for the chmod to follow."""
     folder = os.path.dirname(os.path.abspath(path))
-    make_private_dir(folder, "socket folder", "remove it or choose another --socket")  # no one else's
+    # no one else's (a new one 0755: the socket's own mode keeps clients out, --allow-uid ones pass)
+    make_private_dir(folder, "socket folder", "remove it or choose another --socket", 0o755)
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
@@ -309,7 +310,7 @@ class Daemon:
             make_private_dir(self.store_dir, "store folder")  # as the store makes it: 0700 whatever the umask
         # a folder no one else can write in (checked at every start), and a lock file opened
         # without following a link: never another file chmod'ed or written through it
-        make_private_dir(folder, "socket folder", "remove it or choose another --socket")
+        make_private_dir(folder, "socket folder", "remove it or choose another --socket", 0o755)
         fd = open_file(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, "lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

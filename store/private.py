@@ -130,16 +130,24 @@ def check_folder(path: str, what: str, advice: str = "remove it or choose anothe
     ("dram folder"), ``advice`` says what to do."""
     problem, exists = folder_problem(path)
     if problem is not None:
+        try:
+            st = os.stat(path)
+            mine = st.st_uid == os.geteuid() and problem == f"is {_owner_mode(st)}"
+        except OSError:
+            mine = False
+        if mine:  # the user's own folder, only too open: it may be made private again
+            advice = f"if no one else wrote in it, make it private (chmod 0700 {path}); else {advice}"
         raise UnsafePath(f"{what} {path} {problem}; {advice}")
     return exists
 
 
-def make_private_dir(path: str, what: str = "folder", advice: str = "remove it or choose another path") -> bool:
+def make_private_dir(path: str, what: str = "folder", advice: str = "remove it or choose another path",
+                     mode: int = DIR_MODE) -> bool:
     """Check ``path`` (``check_folder``), create what is missing of it, check it again;
     True if the folder itself was created.
 
-    The folder is born 0700 (``mkdir`` masks the mode with the umask, which can only remove
-    bits) and then set to exactly 0700. Missing parents are born 0755, never writable by
+    The folder is born ``mode`` (0700; ``mkdir`` masks the mode with the umask, which can
+    only remove bits) and then set to exactly that. Missing parents are born 0755, never writable by
     others whatever the umask, and 0700 right under a shared folder (``/dev/shm/lmctl-UID``
     is private to its user). An existing folder's mode is left as it is."""
     if check_folder(path, what, advice):
@@ -156,13 +164,13 @@ def make_private_dir(path: str, what: str = "folder", advice: str = "remove it o
         shared = bool(parent.st_mode & stat.S_ISVTX and parent.st_mode & 0o002)
         last = d == full
         try:
-            os.mkdir(d, DIR_MODE if last or shared else 0o755)
+            os.mkdir(d, mode if last else DIR_MODE if shared else 0o755)
         except FileExistsError:
             continue  # made meanwhile (by whom: the check below tells)
         if last:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                os.fchmod(fd, DIR_MODE)
+                os.fchmod(fd, mode)
             finally:
                 os.close(fd)
             created = True

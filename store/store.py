@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import Codec, codec_id
 from .compaction import Compactor
-from .config import TIER_IDS, TIER_ORDER, StoreConfig
+from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
 from .errors import StoreError
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
@@ -387,8 +387,8 @@ class Store:
 
         return self._index.write(fn)
 
-    def _add_tier(self, name: str) -> None:
-        cfg = self.config.tiers[name]
+    def _add_tier(self, name: str, cfg: TierConfig | None = None) -> None:
+        cfg = cfg or self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
         io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id)
         self._tiers[name] = TierState(name, TIER_IDS[name], cfg, io)
@@ -436,21 +436,24 @@ class Store:
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
-        for name in set(config.tiers) - set(self._tiers):  # a new tier's folder: refused before any change
-            make_private_dir(config.tiers[name].path or os.path.join(self.path, name), f"{name} folder")
         old_events_max = self.config.event_log_max
         with self._lock:
+            # a new tier's folder first: checked and marked (or refused) before anything changes
+            added = [name for name in TIER_ORDER if name in config.tiers and name not in self._tiers]
+            try:
+                for name in added:
+                    self._add_tier(name, config.tiers[name])
+                if added:  # a new tier's folder is the tier's: mark it, or checks take it for a lost disk
+                    self._recovery.mark_tiers(self._recovery.segments())
+            except BaseException:
+                for name in added:
+                    if name in self._tiers:
+                        self._tiers.pop(name).io.close()
+                raise
             self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
-            added = False
-            for name in TIER_ORDER:
-                if name in config.tiers and name not in self._tiers:
-                    self._add_tier(name)
-                    added = True
-            if added:  # a new tier's folder is the tier's: mark it, or checks take it for a lost disk
-                self._recovery.mark_tiers(self._recovery.segments())
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now

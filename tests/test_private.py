@@ -300,7 +300,8 @@ def test_links_and_fifos_planted_in_a_tier_folder_are_never_followed_and_never_h
     os.chmod(tier, 0o777)  # a careless chmod: for a while, anyone may write in the tier folder
     with pytest.raises(StoreError) as e:
         Store(store)
-    assert one_line(e) == f"nvme folder {tier} is owned by uid 0 and mode 0777; remove it or choose another path"
+    assert one_line(e) == (f"nvme folder {tier} is owned by uid 0 and mode 0777; if no one else wrote in it, make it "
+                           f"private (chmod 0700 {tier}); else remove it or choose another path")
     eve.do(plant_fifo, str(tier / "seg-000000000500.lseg"))  # unknown to the index
     eve.do(plant_link, str(tier / "seg-000000000501.lseg"), str(secret))
     eve.do(plant_fifo, str(segs[0]))  # a segment the index knows, swapped for a FIFO
@@ -489,6 +490,12 @@ def test_a_tier_folder_of_another_store_is_refused(tmp_path: Path) -> None:
     assert one_line(e) == (f"dram folder {dram} belongs to another store ({a_id}, says its .lmctl-tier); give this "
                            "store's dram tier a folder of its own")
     assert {p.name: p.read_bytes() for p in dram.iterdir()} == files
+    with Store(tmp_path / "c") as s:  # a dram tier added later, in that folder: refused, nothing changed
+        with pytest.raises(StoreError, match="belongs to another store"):
+            s.configure(dram_config(dram))
+        assert "dram" not in s.config.tiers
+    with Store(tmp_path / "c") as s:
+        assert "dram" not in s.config.tiers
     with Store(tmp_path / "a") as s:
         c = s.get(key(1))
         assert c is not None and bytes(c.data) == content(key(1), 8192)
