@@ -34,6 +34,16 @@ LMDB transaction, the segment files to remove once it has committed, and what to
 outside LMDB (a segment file created in it) if it aborts. The map is grown in one place,
 before a write transaction starts, so no transaction function is ever replayed with
 side effects it already had.
+
+Durability. LMDB runs with ``sync=True, metasync=False``: a commit writes its pages and
+fdatasyncs them, then writes the meta page that makes it current without syncing it, so a
+power cut may undo the last commit (never more: the next commit's fdatasync, of any process,
+takes that meta page down with its own pages), and can never tear the index. A commit whose
+result is acknowledged as durable (``transact(durable=True)``: pins, labels, settings,
+namespace records, engine puts with ``fsync``) is followed by ``Index.sync()``, one more
+fdatasync that makes its meta page durable before the caller returns. Files are removed
+only after the commit that forgets them is synced, so a cut never leaves the index naming a
+file that is gone.
 """
 
 from __future__ import annotations
@@ -685,11 +695,23 @@ class Index:
                     self.env.set_mapsize(size * 2)
                     log.info("grew the index map of %s to %d bytes", self.path, size * 2)
 
+    def sync(self) -> None:
+        """Make every committed transaction durable (LMDB's meta page, which commits do not
+        sync: see the module's docstring). One fdatasync of the index file."""
+        self.check_usable()
+        if self.readonly:
+            return
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            raise IndexWriteError(f"the index at {self.path} could not be synced to its disk ({exc})") from None
+
     @contextmanager
-    def transact(self) -> Iterator[Txn]:
-        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed;
-        on abort (any exception), what was registered with ``Txn.on_abort`` is undone and
-        the exception propagates (LMDB errors as ``IndexWriteError``)."""
+    def transact(self, durable: bool = False) -> Iterator[Txn]:
+        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed
+        (once the commit is synced); with ``durable``, the commit is synced before this
+        returns. On abort (any exception), what was registered with ``Txn.on_abort`` is
+        undone and the exception propagates (LMDB errors as ``IndexWriteError``)."""
         self.check_usable()
         if self.readonly:
             raise StoreError("this store was opened read-only")
@@ -710,18 +732,20 @@ class Index:
                 raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
                                       "is its disk full?") from None
             raise
+        if durable or t.remove:
+            self.sync()
         if t.remove:
             self.remove_files(t.remove)
 
-    def write(self, fn: Callable[[Txn], T]) -> T:
+    def write(self, fn: Callable[[Txn], T], durable: bool = False) -> T:
         """Run ``fn`` in one write transaction (see ``transact``) and return its result. If
         the map was full, ``fn`` runs once more in a new transaction after the map grew:
         what the first one did outside LMDB was undone by its ``on_abort`` hooks."""
         try:
-            with self.transact() as t:
+            with self.transact(durable) as t:
                 return fn(t)
         except _MapGrown:
-            with self.transact() as t:
+            with self.transact(durable) as t:
                 return fn(t)
 
     @property

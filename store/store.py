@@ -176,6 +176,8 @@ class Store:
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+            # what the open wrote (settings, salt key, boot id, restored pins) survives a power cut
+            self._index.sync()
 
     # -- the remote tier -------------------------------------------------------------------
     @property
@@ -380,7 +382,8 @@ class Store:
                                  "stop every process that uses the store and move the folder first")
         old_events_max = self.config.event_log_max
         with self._lock:
-            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
+            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta),
+                              durable=True)
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)

@@ -124,7 +124,8 @@ class Writes:
                 t.add("puts", sum(results))
 
             try:
-                self.index.write(commit)
+                # with fsync, an acknowledged put survives a power cut: its commit is synced too
+                self.index.write(commit, durable=self._config().fsync)
             except StoreError:
                 self.space.release(st, plan)  # not indexed: give its space back (if the index can be written)
                 raise

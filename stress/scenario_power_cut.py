@@ -1,0 +1,249 @@
+"""Power cuts: a writer process puts, pins, unpins and changes settings through a store on a
+FUSE file system that keeps unsynced writes in memory (tests/faultfs.py); the power is cut at a
+random moment, and the backing folder, as a disk would be after the cut, is opened directly.
+Checks: every acknowledged put is there with its exact bytes, every acknowledged pin, unpin
+and setting holds, the index opens, and ``verify --deep`` finds nothing. Half the cuts drop
+every unsynced write; the other half let each one reach the disk with probability 1/2 (a
+disk that wrote part of its cache in any order).
+
+The writer (``python stress/scenario_power_cut.py writer STORE``) reads commands on stdin and
+prints ``start CMD`` before and ``ack CMD`` after each one; commands are ``put I``, ``pin LABEL
+I``, ``unpin LABEL I``, ``config CAPACITY_MIB``, and ``loop SEED COUNT`` (random ones of those,
+COUNT of them, then it waits).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from store import MiB, Store, StoreConfig, TierConfig  # noqa: E402
+from stress.common import Tally, content, key  # noqa: E402
+
+#: chunk payload size (the writer's and the checks')
+SIZE = 64 << 10
+
+
+def config(capacity_mib: int = 1024) -> StoreConfig:
+    return StoreConfig(tiers={"nvme": TierConfig(capacity=capacity_mib * MiB, pin_budget=0.9)},
+                       segment_bytes=2 * MiB)
+
+
+# -- the writer process --------------------------------------------------------------------------
+def _do(store: Store, cmd: list[str]) -> None:
+    op = cmd[0]
+    if op == "put":
+        k = key(int(cmd[1]))
+        store.put(k, content(k, SIZE), {"dtype": "uint8"}, tokens=16)
+    elif op == "pin":
+        store.pin(cmd[1], [key(int(cmd[2]))])
+    elif op == "unpin":
+        store.unpin(cmd[1], [key(int(cmd[2]))])
+    elif op == "config":
+        store.configure(config(int(cmd[1])))
+    else:
+        raise ValueError(f"unknown command {cmd!r}")
+
+
+def _random_ops(seed: int, count: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    out: list[list[str]] = []
+    put = 0
+    for _ in range(count):
+        r = rng.random()
+        if r < 0.55 or put == 0:
+            out.append(["put", str(seed * 100000 + put)])
+            put += 1
+        elif r < 0.8:
+            out.append(["pin", f"L{rng.randrange(4)}", str(seed * 100000 + rng.randrange(put))])
+        elif r < 0.95:
+            out.append(["unpin", f"L{rng.randrange(4)}", str(seed * 100000 + rng.randrange(put))])
+        else:
+            out.append(["config", str(rng.choice((768, 1024, 1280)))])
+    return out
+
+
+def writer(path: str) -> None:
+    store = Store(path, config())
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        todo = _random_ops(int(cmd[1]), int(cmd[2])) if cmd and cmd[0] == "loop" else [cmd]
+        for c in todo:
+            print("start", *c, flush=True)
+            _do(store, c)
+            print("ack", *c, flush=True)
+        print("idle", flush=True)
+
+
+# -- what the acknowledgements promise ---------------------------------------------------------------
+@dataclass
+class Promises:
+    """What the writer acknowledged (and what it had started but not acknowledged at the cut)."""
+
+    puts: set[int] = field(default_factory=set)
+    pins: dict[tuple[str, int], bool] = field(default_factory=dict)  # (label, i): pinned after the last ack
+    config: int | None = None
+    unsure_pins: set[tuple[str, int]] = field(default_factory=set)
+    unsure_config: set[int] = field(default_factory=set)
+
+    def read(self, line: str) -> None:
+        word, *cmd = line.split()
+        if word not in ("start", "ack") or not cmd:
+            return
+        op = cmd[0]
+        if word == "start":
+            if op in ("pin", "unpin"):
+                self.unsure_pins.add((cmd[1], int(cmd[2])))
+            elif op == "config":
+                self.unsure_config.add(int(cmd[1]))
+            return
+        if op == "put":
+            self.puts.add(int(cmd[1]))
+        elif op in ("pin", "unpin"):
+            self.pins[(cmd[1], int(cmd[2]))] = op == "pin"
+            self.unsure_pins.discard((cmd[1], int(cmd[2])))
+        elif op == "config":
+            self.config = int(cmd[1])
+            self.unsure_config.clear()
+
+    def check(self, path: Path) -> dict[str, int]:
+        """Open the store at ``path`` (as it is after the cut) and count what it lost."""
+        out = {"puts_lost": 0, "wrong_bytes": 0, "pins_lost": 0, "unpins_lost": 0, "settings_lost": 0,
+               "problems": 0}
+        with Store(path) as s:
+            for i in self.puts:
+                c = s.get(key(i), touch=False)
+                if c is None:
+                    out["puts_lost"] += 1
+                elif bytes(c.data) != content(key(i), SIZE):
+                    out["wrong_bytes"] += 1
+            labels = {name: set(keys) for name, keys in s.labels().items()}
+            for (label, i), pinned in self.pins.items():
+                if (label, i) in self.unsure_pins:
+                    continue
+                if (key(i) in labels.get(label, set())) != pinned:
+                    out["pins_lost" if pinned else "unpins_lost"] += 1
+            have = s.config.tiers["nvme"].capacity // MiB
+            if self.config is not None and have != self.config and have not in self.unsure_config:
+                out["settings_lost"] += 1
+            out["problems"] = sum(not p.fixed for p in s.check(deep=True))
+        return out
+
+
+# -- one cut ------------------------------------------------------------------------------------------
+class Writer:
+    """The writer process on ``store`` (a path under a FaultFS mount), its lines read as they come."""
+
+    def __init__(self, store: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "writer", str(store)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.promises = Promises()
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                self.lines.append(line.strip())
+                self.promises.read(line)
+                self._cv.notify_all()
+        with self._cv:
+            self.lines.append("exit")
+            self._cv.notify_all()
+
+    def wait_for(self, word: str, timeout: float = 60.0) -> None:
+        """Until the writer prints a line starting with ``word`` (after the last one waited for)."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while not any(x.startswith(word) for x in self.lines):
+                if "exit" in self.lines or time.monotonic() > end:
+                    err = self.proc.stderr.read() if self.proc.stderr and "exit" in self.lines else ""
+                    raise RuntimeError(f"the writer did not say {word!r}: {self.lines[-3:]} {err[-600:]}")
+                self._cv.wait(0.1)
+            self.lines.clear()
+
+    def send(self, *cmds: str) -> None:
+        assert self.proc.stdin is not None
+        for c in cmds:
+            self.proc.stdin.write(c + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        """SIGKILL (the power cut stops it), and take in every line it printed."""
+        self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=10)
+
+
+def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, dict[str, int], float]:
+    """One writer on a fresh store under a FaultFS mount, cut ``ops`` random operations in (the
+    moment drawn from ``seed``); returns the promises, what the reopened store lost, and the
+    seconds from the writer's first operation to the cut."""
+    from faultfs import FaultFS
+
+    backing, mnt = work / f"backing{seed}", work / f"mnt{seed}"
+    rng = random.Random(seed)
+    with FaultFS(backing, mnt) as fs:
+        w = Writer(mnt / "store")
+        try:
+            w.wait_for("ready")
+            t0 = time.monotonic()
+            w.send(f"loop {seed} {ops}")
+            time.sleep(rng.uniform(0.2, 1.5))  # the cut lands anywhere in the run (or after it)
+            w.kill()
+            took = time.monotonic() - t0
+        finally:
+            if w.proc.poll() is None:
+                w.kill()
+        fs.power_cut(keep=keep, seed=seed)
+    lost = w.promises.check(backing / "store")
+    return w.promises, lost, took
+
+
+def scenario_power_cut(work: Path, n: int) -> Tally:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from faultfs import skip_reason
+
+    t = Tally("power-cut")
+    why = skip_reason()
+    if why is not None:
+        t.facts["skipped"] = why
+        return t
+    totals = {"puts_acked": 0, "pins_acked": 0, "puts_lost": 0, "wrong_bytes": 0, "pins_lost": 0,
+              "unpins_lost": 0, "settings_lost": 0, "problems": 0}
+    for trial in range(n):
+        keep = 0.0 if trial % 2 == 0 else 0.5
+        promises, lost, _took = cut_trial(work, 1000 + trial, 400, keep)
+        t.trials += 1
+        totals["puts_acked"] += len(promises.puts)
+        totals["pins_acked"] += len(promises.pins)
+        for k, v in lost.items():
+            totals[k] += v
+            t.check(v == 0, f"trial {trial} (keep {keep}): {k} = {v}")
+        shutil.rmtree(work / f"backing{1000 + trial}", ignore_errors=True)
+    t.facts.update(totals)
+    t.facts["window_s"] = 0  # an acknowledged put is durable (fsync=True): lost within no window
+    return t
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "writer":
+        writer(sys.argv[2])
+    else:
+        sys.exit("usage: scenario_power_cut.py writer STORE")
