@@ -41,9 +41,11 @@ power cut may undo the last commit (never more: the next commit's fdatasync, of 
 takes that meta page down with its own pages), and can never tear the index. A commit whose
 result is acknowledged as durable (``transact(durable=True)``: pins, labels, settings,
 namespace records, engine puts with ``fsync``) is followed by ``Index.sync()``, one more
-fdatasync that makes its meta page durable before the caller returns. Files are removed
-only after the commit that forgets them is synced, so a cut never leaves the index naming a
-file that is gone.
+fdatasync that makes its meta page durable before the caller returns. An engine put's
+commit is made durable within ``SYNC_SOON_S`` instead (``Index.sync_soon``: one background
+sync for every commit in that time, not one more fdatasync per batch). Files are removed only
+after the commit that forgets them is synced, so a cut never leaves the index naming a file
+that is gone.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ T = TypeVar("T")
 MAP_SIZE = 64 << 30
 #: the map grows (doubles) before a write transaction once this share of it is in use
 GROW_AT = 0.5
+#: a commit left to ``Index.sync_soon`` (engine puts) is synced this long after it, at most
+SYNC_SOON_S = 1.0
 #: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
 MAX_CHUNK_BYTES = 1 << 34
 FORMAT_VERSION = 2
@@ -592,6 +596,10 @@ class Index:
         self._pid = os.getpid()
         self._closed = False
         self._grow_lock = threading.Lock()
+        # the background sync of ``sync_soon``: its timer, and whether a commit is not synced yet
+        self._sync_lock = threading.Lock()
+        self._sync_timer: threading.Timer | None = None
+        self._unsynced = False
         self._madvise: Any = None
         self._spans: tuple[int, list[tuple[int, ...]]] | None = None
         if os.path.exists("/proc/self/maps"):
@@ -701,10 +709,32 @@ class Index:
         self.check_usable()
         if self.readonly:
             return
+        self._unsynced = False  # before the sync: a commit made during it sets it again
         try:
             self.env.sync(True)
         except lmdb.Error as exc:
+            self._unsynced = True
             raise IndexWriteError(f"the index at {self.path} could not be synced to its disk ({exc})") from None
+
+    def sync_soon(self) -> None:
+        """Make the commits so far durable within ``SYNC_SOON_S``: a background sync, one
+        for all the commits made before it runs (engine puts: no fdatasync more per batch)."""
+        with self._sync_lock:
+            if self._sync_timer is not None or self._closed:
+                return
+            timer = self._sync_timer = threading.Timer(SYNC_SOON_S, self._timed_sync)
+            timer.daemon = True
+        timer.start()
+
+    def _timed_sync(self) -> None:
+        with self._sync_lock:  # close() waits for a sync under way: the environment must outlive it
+            self._sync_timer = None
+            if self._closed or not self._unsynced:
+                return
+            try:
+                self.sync()
+            except StoreError as exc:
+                log.warning("%s; the last commits are not durable yet", exc)
 
     @contextmanager
     def transact(self, durable: bool = False) -> Iterator[Txn]:
@@ -732,6 +762,7 @@ class Index:
                 raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
                                       "is its disk full?") from None
             raise
+        self._unsynced = True
         if durable or t.remove:
             self.sync()
         if t.remove:
@@ -753,9 +784,18 @@ class Index:
         return self._closed
 
     def close(self) -> None:
-        if not self._closed and os.getpid() == self._pid:
-            self.env.close()
-        self._closed = True
+        with self._sync_lock:
+            timer, self._sync_timer = self._sync_timer, None
+            if timer is not None:
+                timer.cancel()
+            if not self._closed and os.getpid() == self._pid:
+                if self._unsynced and not self.readonly:
+                    try:
+                        self.sync()  # a clean close leaves nothing to a background sync
+                    except StoreError as exc:
+                        log.warning("%s while closing it", exc)
+                self.env.close()
+            self._closed = True
 
 
 def drop_corrupt(index: Index, key: bytes, e: Entry, reason: str = "bad-record", detail: str = "") -> None:

@@ -124,11 +124,12 @@ class Writes:
                 t.add("puts", sum(results))
 
             try:
-                # with fsync, an acknowledged put survives a power cut: its commit is synced too
-                self.index.write(commit, durable=self._config().fsync)
+                self.index.write(commit)
             except StoreError:
                 self.space.release(st, plan)  # not indexed: give its space back (if the index can be written)
                 raise
+            if self._config().fsync:  # an acknowledged put survives a power cut that comes SYNC_SOON_S later
+                self.index.sync_soon()
         if share and replace is None and self.on_stored is not None:
             shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)

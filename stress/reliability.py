@@ -21,6 +21,10 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   promptly on SIGTERM.
 * concurrent: clients (lookup, ls, inspect, pin, unpin, compress) with a writer process and
   the daemon's maintenance running, ending with verify --deep.
+* power-cut: a writer process puts, pins, unpins and changes settings through a store on a
+  FUSE file system that drops unsynced writes (tests/faultfs.py), cut at a random moment;
+  the backing folder opened directly keeps every acknowledged put (exact bytes), pin, unpin
+  and setting, and verify --deep is clean (stress/scenario_power_cut.py; skipped without FUSE).
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -462,6 +466,7 @@ def main() -> int:
         ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
+        ("power-cut", lambda w: topic("power_cut")(w, 2 if q else 30)),
     ]
     rows = []
     for name, run in plan:
