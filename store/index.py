@@ -39,7 +39,7 @@ Durability. LMDB runs with ``sync=True, metasync=False``: a commit writes its pa
 fdatasyncs them, then writes the meta page that makes it current without syncing it, so a
 power cut may undo the last commit (never more: the next commit's fdatasync, of any process,
 takes that meta page down with its own pages), and can never tear the index. A commit whose
-result is acknowledged as durable (``transact(durable=True)``: pins, labels, settings,
+result is acknowledged as durable (``write(fn, durable=True)``: pins, labels, settings,
 namespace records, engine puts with ``fsync``) is followed by ``Index.sync()``, one more
 fdatasync that makes its meta page durable before the caller returns. An engine put's
 commit is made durable within ``SYNC_SOON_S`` instead (``Index.sync_soon``: one background
@@ -737,11 +737,11 @@ class Index:
                 log.warning("%s; the last commits are not durable yet", exc)
 
     @contextmanager
-    def transact(self, durable: bool = False) -> Iterator[Txn]:
-        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed
-        (once the commit is synced); with ``durable``, the commit is synced before this
-        returns. On abort (any exception), what was registered with ``Txn.on_abort`` is
-        undone and the exception propagates (LMDB errors as ``IndexWriteError``)."""
+    def transact(self) -> Iterator[Txn]:
+        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed,
+        once the commit is synced. On abort (any exception), what was registered with
+        ``Txn.on_abort`` is undone and the exception propagates (LMDB errors as
+        ``IndexWriteError``)."""
         self.check_usable()
         if self.readonly:
             raise StoreError("this store was opened read-only")
@@ -763,21 +763,24 @@ class Index:
                                       "is its disk full?") from None
             raise
         self._unsynced = True
-        if durable or t.remove:
-            self.sync()
         if t.remove:
+            self.sync()
             self.remove_files(t.remove)
 
     def write(self, fn: Callable[[Txn], T], durable: bool = False) -> T:
-        """Run ``fn`` in one write transaction (see ``transact``) and return its result. If
-        the map was full, ``fn`` runs once more in a new transaction after the map grew:
-        what the first one did outside LMDB was undone by its ``on_abort`` hooks."""
+        """Run ``fn`` in one write transaction (see ``transact``) and return its result; with
+        ``durable``, the commit is synced before this returns. If the map was full, ``fn``
+        runs once more in a new transaction after the map grew: what the first one did
+        outside LMDB was undone by its ``on_abort`` hooks."""
         try:
-            with self.transact(durable) as t:
-                return fn(t)
+            with self.transact() as t:
+                out = fn(t)
         except _MapGrown:
-            with self.transact(durable) as t:
-                return fn(t)
+            with self.transact() as t:
+                out = fn(t)
+        if durable:
+            self.sync()
+        return out
 
     @property
     def closed(self) -> bool:

@@ -259,17 +259,14 @@ class Store:
             self._reads.flush_if_due()
 
     def metric_gauges(self, max_age_s: float | None = 60.0) -> list[Gauge]:
-        """The gauges every process set within ``max_age_s`` seconds (this process's written
-        first)."""
-        if not self.readonly:
-            self.flush()
+        """The gauges every process set within ``max_age_s`` seconds (this process's pending
+        values included; nothing is written, so this never waits for the disk)."""
         return self._reads.metric_gauges(max_age_s)
 
     def metric_cells(self) -> list[Cell]:
-        """The metric totals of every process that used this store (store/metrics.py), with
-        this process's pending counts written first."""
-        if not self.readonly:
-            self.flush()
+        """The metric totals of every process that used this store (store/metrics.py): what
+        they flushed (each within its ``access_flush_s``) plus this process's pending counts,
+        added in memory (nothing is written, so this never waits for the disk)."""
         return self._reads.metric_cells()
 
     def _promote(self, key: bytes) -> None:
@@ -770,11 +767,12 @@ class Store:
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Usage per tier and the store's counters (pending access counts are flushed first)."""
-        if not self.readonly:
-            self.flush()
+        """Usage per tier and the store's counters, as committed (this process's pending hit
+        and miss counts added; other processes' arrive within their ``access_flush_s``). Reads
+        only: a stalled disk under the index's writers never makes this wait."""
+        pending = self._reads.pending_counts()
         with self._index.read() as t:
-            counters = {k: t.counter(k) for k in (
+            counters = {k: t.counter(k) + pending.get(k, 0) for k in (
                 "puts", "payload_bytes", "written_bytes", "hits", "misses", "corrupt", "evicted",
                 "rejected_full", "compacted_bytes", "pin_reserved", "evicted_retired")}
             segs = t.segments()

@@ -25,6 +25,9 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   FUSE file system that drops unsynced writes (tests/faultfs.py), cut at a random moment;
   the backing folder opened directly keeps every acknowledged put (exact bytes), pin, unpin
   and setting, and verify --deep is clean (stress/scenario_power_cut.py; skipped without FUSE).
+* frozen: fsfreeze a loop-mounted ext4 under a tier while a writer's put blocks on it: reads,
+  status and ls answer; with the whole store on it, everything waits and catches up after the
+  thaw (stress/scenario_frozen.py; root only).
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -467,6 +470,7 @@ def main() -> int:
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
         ("power-cut", lambda w: topic("power_cut")(w, 2 if q else 30)),
+        ("frozen", lambda w: topic("frozen")(w, 1 if q else 10)),
     ]
     rows = []
     for name, run in plan:

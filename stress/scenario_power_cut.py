@@ -16,12 +16,9 @@ COUNT of them, then it waits).
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from store import MiB, Store, StoreConfig, TierConfig  # noqa: E402
 from store.index import SYNC_SOON_S  # noqa: E402
-from stress.common import Tally, content, key  # noqa: E402
+from stress.common import Tally, Worker, content, key  # noqa: E402
 
 #: chunk payload size (the writer's and the checks')
 SIZE = 64 << 10
@@ -154,56 +151,13 @@ class Promises:
 
 
 # -- one cut ------------------------------------------------------------------------------------------
-class Writer:
-    """The writer process on ``store`` (a path under a FaultFS mount), its lines read as they come."""
+class Writer(Worker):
+    """The writer process on ``store`` (a path under a FaultFS mount); its acknowledgements
+    are read into ``promises`` as they come."""
 
     def __init__(self, store: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "writer", str(store)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
         self.promises = Promises()
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cv:
-                self.lines.append(line.strip())
-                self.promises.read(line)
-                self._cv.notify_all()
-        with self._cv:
-            self.lines.append("exit")
-            self._cv.notify_all()
-
-    def wait_for(self, word: str, timeout: float = 60.0) -> None:
-        """Until the writer prints a line starting with ``word`` (after the last one waited for)."""
-        end = time.monotonic() + timeout
-        with self._cv:
-            while not any(x.startswith(word) for x in self.lines):
-                if "exit" in self.lines or time.monotonic() > end:
-                    err = self.proc.stderr.read() if self.proc.stderr and "exit" in self.lines else ""
-                    raise RuntimeError(f"the writer did not say {word!r}: {self.lines[-3:]} {err[-600:]}")
-                self._cv.wait(0.1)
-            self.lines.clear()
-
-    def send(self, *cmds: str) -> None:
-        assert self.proc.stdin is not None
-        for c in cmds:
-            self.proc.stdin.write(c + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> float:
-        """SIGKILL (the power cut stops it), and take in every line it printed; returns when
-        (monotonic) it was killed."""
-        at = time.monotonic()
-        self.proc.kill()
-        self.proc.wait()
-        self._reader.join(timeout=10)
-        return at
+        super().__init__(Path(__file__).resolve(), "writer", str(store), on_line=self.promises.read)
 
 
 def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, dict[str, float]]:
@@ -216,7 +170,7 @@ def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, d
     with FaultFS(backing, mnt) as fs:
         w = Writer(mnt / "store")
         try:
-            w.wait_for("ready")
+            w.expect("ready")
             w.send(f"loop {seed} {ops}")
             time.sleep(rng.uniform(0.2, 1.5))  # the cut lands anywhere in the run (or after it)
             cut_at = w.kill()

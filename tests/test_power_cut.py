@@ -25,7 +25,7 @@ def cut_after(tmp_path: Path) -> Iterator[tuple[Writer, Path, FaultFS]]:
     with FaultFS(backing, mnt) as fs:
         w = Writer(mnt / "store")
         try:
-            w.wait_for("ready")
+            w.expect("ready")
             yield w, backing / "store", fs
         finally:
             w.kill()
@@ -35,7 +35,7 @@ def run_then_cut(w: Writer, fs: FaultFS, *cmds: str) -> Promises:
     """Send ``cmds`` one by one, each acknowledged before the next; then kill and cut."""
     for c in cmds:
         w.send(c)
-        w.wait_for("idle")
+        w.expect("idle")
     w.kill()
     fs.power_cut()
     return w.promises
@@ -45,7 +45,7 @@ def test_an_acknowledged_put_survives_once_the_window_passed(cut_after: tuple[Wr
     w, store, fs = cut_after
     for c in ("put 1", "put 2"):
         w.send(c)
-        w.wait_for("idle")
+        w.expect("idle")
     time.sleep(2 * WINDOW_S)  # past the stated window: a put is durable this long after its ack
     run_then_cut(w, fs)
     with Store(store) as s:
