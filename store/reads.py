@@ -77,6 +77,8 @@ class Reads:
         self.meter = Meter()
         self._timer: threading.Timer | None = None
         self._flushing = False  # a timed flush is under way (at most one: it may be stalled by the disk)
+        self._flushed = threading.Condition(lock)  # notified when a timed flush ends
+        self._stopped = False  # the store is closing: no more timed flushes
         #: called at the start of every flush (to add what others count, e.g. the remote tier's calls)
         self.before_flush: list[Callable[[Meter], None]] = []
 
@@ -330,7 +332,7 @@ class Reads:
     def _schedule(self) -> None:
         """Start the flush timer, due ``access_flush_s`` after the last flush, unless one is
         waiting or running (hold ``self.lock``)."""
-        if self._timer is not None or self._flushing or self.index.closed:
+        if self._timer is not None or self._flushing or self._stopped or self.index.closed:
             return
         wait = max(0.0, self._config().access_flush_s - (time.monotonic() - self._last_flush))
         self._timer = threading.Timer(wait, self._timed_flush)
@@ -349,14 +351,19 @@ class Reads:
         finally:
             with self.lock:
                 self._flushing = False
+                self._flushed.notify_all()
                 if self._access or any(self._counts.values()) or self.meter.pending():
                     self._schedule()  # what arrived while this flush ran
 
     def cancel_timer(self) -> None:
+        """Stop timed flushes (the store is closing): the pending one is cancelled, and one
+        under way is waited for, so that the index is never closed under it."""
         with self.lock:
+            self._stopped = True
             timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
+            self._flushed.wait_for(lambda: not self._flushing)
 
     def _collect(self) -> None:
         """Have the ``before_flush`` hooks add what others counted to the meter."""

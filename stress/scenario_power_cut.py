@@ -6,7 +6,9 @@ the stated window before the cut (``store.index.SYNC_SOON_S``; a put's commit is
 background) is there with its exact bytes, and the age of the newest put lost is recorded (the
 measured window); the index opens, and ``verify --deep`` finds nothing. Half the cuts drop
 every unsynced write; the other half let each one reach the disk with probability 1/2 (a
-disk that wrote part of its cache in any order).
+disk that wrote part of its cache in any order). Then probes of the window: one put on an
+idle writer, the cut a set time after its acknowledgement; a put older than the window must
+survive.
 
 The writer (``python stress/scenario_power_cut.py writer STORE``) reads commands on stdin and
 prints ``start CMD`` before and ``ack CMD`` after each one; commands are ``put I``, ``pin LABEL
@@ -20,6 +22,7 @@ import random
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +98,7 @@ class Promises:
     """What the writer acknowledged (and what it had started but not acknowledged at the cut)."""
 
     puts: dict[int, float] = field(default_factory=dict)  # put -> when its ack was read (monotonic)
+    acks: Counter[str] = field(default_factory=Counter)  # acknowledged commands by kind
     pins: dict[tuple[str, int], bool] = field(default_factory=dict)  # (label, i): pinned after the last ack
     config: int | None = None
     unsure_pins: set[tuple[str, int]] = field(default_factory=set)
@@ -111,6 +115,7 @@ class Promises:
             elif op == "config":
                 self.unsure_config.add(int(cmd[1]))
             return
+        self.acks[op] += 1
         if op == "put":
             self.puts[int(cmd[1])] = time.monotonic()
         elif op in ("pin", "unpin"):
@@ -181,6 +186,29 @@ def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, d
     return w.promises, w.promises.check(backing / "store", cut_at)
 
 
+def window_probe(work: Path, age: float, seed: int) -> bool:
+    """One put on an idle writer, the power cut ``age`` seconds after its acknowledgement,
+    nothing committed meanwhile: whether it survived (the window, measured)."""
+    from faultfs import FaultFS
+
+    backing, mnt = work / f"probe{seed}", work / f"probe-mnt{seed}"
+    with FaultFS(backing, mnt) as fs:
+        w = Writer(mnt / "store")
+        try:
+            w.expect("ready")
+            time.sleep(SYNC_SOON_S + 0.5)  # what the open left to the background sync is synced
+            w.send(f"put {seed}")
+            w.expect(f"ack put {seed}")
+            time.sleep(age)
+        finally:
+            w.kill()
+        fs.power_cut(seed=seed)
+    with Store(backing / "store") as s:
+        survived = s.get(key(seed), touch=False) is not None
+    shutil.rmtree(backing, ignore_errors=True)
+    return survived
+
+
 def scenario_power_cut(work: Path, n: int) -> Tally:
     sys.path.insert(0, str(ROOT / "tests"))
     from faultfs import skip_reason
@@ -190,16 +218,16 @@ def scenario_power_cut(work: Path, n: int) -> Tally:
     if why is not None:
         t.facts["skipped"] = why
         return t
-    totals: dict[str, float] = {"puts_acked": 0, "pins_acked": 0, "puts_lost": 0, "puts_lost_in_window": 0,
-                                "wrong_bytes": 0, "pins_lost": 0, "unpins_lost": 0, "settings_lost": 0,
-                                "problems": 0}
+    totals: dict[str, float] = {"puts_acked": 0, "pins_acked": 0, "unpins_acked": 0, "settings_acked": 0,
+                                "puts_lost": 0, "puts_lost_in_window": 0, "wrong_bytes": 0, "pins_lost": 0,
+                                "unpins_lost": 0, "settings_lost": 0, "problems": 0}
     oldest = 0.0
     for trial in range(n):
         keep = 0.0 if trial % 2 == 0 else 0.5
         promises, lost = cut_trial(work, 1000 + trial, 400, keep)
         t.trials += 1
-        totals["puts_acked"] += len(promises.puts)
-        totals["pins_acked"] += sum(promises.pins.values())
+        for what, op in (("puts", "put"), ("pins", "pin"), ("unpins", "unpin"), ("settings", "config")):
+            totals[f"{what}_acked"] += promises.acks[op]
         oldest = max(oldest, lost.pop("oldest_lost_age_s"))
         for k, v in lost.items():
             totals[k] += v
@@ -208,6 +236,13 @@ def scenario_power_cut(work: Path, n: int) -> Tally:
     t.facts.update({k: int(v) for k, v in totals.items()})
     t.facts["window_s"] = WINDOW_S
     t.facts["oldest_lost_put_age_s"] = oldest
+    # the window itself: one put, then nothing, then the cut this long after its ack
+    probes = {age: window_probe(work, age, 5000 + i) for i, age in enumerate((1.5,) if n < 10 else
+                                                                              (0.1, 0.5, 0.9, 1.3, 1.7, 2.5))}
+    for age, survived in probes.items():
+        t.check(survived or age <= WINDOW_S, f"a put acknowledged {age} s before the cut was lost")
+    t.facts["probe_lost_at_s"] = [a for a, ok in probes.items() if not ok]
+    t.facts["probe_survived_at_s"] = [a for a, ok in probes.items() if ok]
     return t
 
 
