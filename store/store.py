@@ -367,7 +367,8 @@ class Store:
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
         them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change."""
+        and its folder cannot change. The new settings are synced to disk before this
+        returns."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
@@ -483,7 +484,9 @@ class Store:
 
     def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None) -> list[bool]:
         """Store chunks in one batch: one reservation, the records written with hashing
-        overlapping the disk, one sync per segment (with ``fsync``), one commit.
+        overlapping the disk, one sync per segment (with ``fsync``), one commit. With
+        ``fsync``, the commit is durable (survives a power cut) within ``SYNC_SOON_S`` (1 s)
+        of the return: a background sync (see docs/architecture.md, "The sync policy").
 
         Returns, per item, whether it was stored. A chunk that is already present is
         not written again; a chunk that does not fit (the tier is full of pinned
@@ -676,6 +679,7 @@ class Store:
         number of pin references added (a label pins a key at most once). Raises
         ``PinBudgetError`` (changing nothing) if a budget would be exceeded.
         ``dry_run`` does all of it, budget check included, then rolls the transaction back.
+        A pin (like an unpin) is synced to disk before it returns: it survives a power cut.
         A chunk that only the remote tier holds cannot be pinned (``StoreError``): the server
         evicts what it likes unless it runs with ``maxmemory-policy noeviction``.
         """
