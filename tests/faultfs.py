@@ -123,6 +123,7 @@ class _Node:
 def _serve(backing: str, mountpoint: str, control: str) -> None:
     from fuse import FUSE, FuseOSError, Operations, fuse_get_context
 
+    os.umask(0)  # the modes the kernel hands over already carry the caller's umask
     root = os.path.realpath(backing)
     trash = os.path.join(root, TRASH)
     lock = threading.RLock()

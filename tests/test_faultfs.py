@@ -51,6 +51,21 @@ def test_namespace_changes_are_committed_by_any_sync(tmp_path: Path) -> None:
     assert (b / "gone").read_bytes() == b"y"
 
 
+def test_modes_and_owners_are_the_callers(tmp_path: Path) -> None:
+    b, m = tmp_path / "b", tmp_path / "m"
+    with FaultFS(b, m):
+        old = os.umask(0o027)
+        try:
+            fd = os.open(m / "f", os.O_CREAT | os.O_WRONLY, 0o666)
+            os.close(fd)
+            os.mkdir(m / "d", 0o777)
+        finally:
+            os.umask(old)
+        assert (m / "f").stat().st_mode & 0o777 == 0o640
+        assert (b / "d").stat().st_mode & 0o777 == 0o750
+        assert (b / "f").stat().st_uid == os.geteuid()
+
+
 def test_truncate_is_a_write_until_synced(tmp_path: Path) -> None:
     b, m = tmp_path / "b", tmp_path / "m"
     with FaultFS(b, m) as fs:
