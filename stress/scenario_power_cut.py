@@ -10,7 +10,7 @@ disk that wrote part of its cache in any order). Then probes of the window: one 
 idle writer, the cut a set time after its acknowledgement; a put older than the window must
 survive.
 
-The writer (``python stress/scenario_power_cut.py writer STORE``) reads commands on stdin and
+The writer (``python stress/scenario_power_cut.py writer STORE ACCESS_FLUSH_S``) reads commands on stdin and
 prints ``start CMD`` before and ``ack CMD`` after each one; commands are ``put I``, ``pin LABEL
 I``, ``unpin LABEL I``, ``config CAPACITY_MIB``, and ``loop SEED COUNT`` (random ones of those,
 COUNT of them, then it waits).
@@ -40,13 +40,13 @@ SIZE = 64 << 10
 WINDOW_S = SYNC_SOON_S + 0.25
 
 
-def config(capacity_mib: int = 1024) -> StoreConfig:
+def config(capacity_mib: int = 1024, access_flush_s: float = 1.0) -> StoreConfig:
     return StoreConfig(tiers={"nvme": TierConfig(capacity=capacity_mib * MiB, pin_budget=0.9)},
-                       segment_bytes=2 * MiB)
+                       segment_bytes=2 * MiB, access_flush_s=access_flush_s)
 
 
 # -- the writer process --------------------------------------------------------------------------
-def _do(store: Store, cmd: list[str]) -> None:
+def _do(store: Store, cmd: list[str], access_flush_s: float) -> None:
     op = cmd[0]
     if op == "put":
         k = key(int(cmd[1]))
@@ -56,7 +56,7 @@ def _do(store: Store, cmd: list[str]) -> None:
     elif op == "unpin":
         store.unpin(cmd[1], [key(int(cmd[2]))])
     elif op == "config":
-        store.configure(config(int(cmd[1])))
+        store.configure(config(int(cmd[1]), access_flush_s))
     else:
         raise ValueError(f"unknown command {cmd!r}")
 
@@ -79,15 +79,15 @@ def _random_ops(seed: int, count: int) -> list[list[str]]:
     return out
 
 
-def writer(path: str) -> None:
-    store = Store(path, config())
+def writer(path: str, access_flush_s: float) -> None:
+    store = Store(path, config(access_flush_s=access_flush_s))
     print("ready", flush=True)
     for line in sys.stdin:
         cmd = line.split()
         todo = _random_ops(int(cmd[1]), int(cmd[2])) if cmd and cmd[0] == "loop" else [cmd]
         for c in todo:
             print("start", *c, flush=True)
-            _do(store, c)
+            _do(store, c, access_flush_s)
             print("ack", *c, flush=True)
         print("idle", flush=True)
 
@@ -160,9 +160,10 @@ class Writer(Worker):
     """The writer process on ``store`` (a path under a FaultFS mount); its acknowledgements
     are read into ``promises`` as they come."""
 
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, access_flush_s: float = 1.0) -> None:
         self.promises = Promises()
-        super().__init__(Path(__file__).resolve(), "writer", str(store), on_line=self.promises.read)
+        super().__init__(Path(__file__).resolve(), "writer", str(store), str(access_flush_s),
+                         on_line=self.promises.read)
 
 
 def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, dict[str, float]]:
@@ -188,12 +189,13 @@ def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, d
 
 def window_probe(work: Path, age: float, seed: int) -> bool:
     """One put on an idle writer, the power cut ``age`` seconds after its acknowledgement,
-    nothing committed meanwhile: whether it survived (the window, measured)."""
+    nothing else committed meanwhile (the access log waits a minute): whether it survived
+    (the window of the background sync alone, measured)."""
     from faultfs import FaultFS
 
     backing, mnt = work / f"probe{seed}", work / f"probe-mnt{seed}"
     with FaultFS(backing, mnt) as fs:
-        w = Writer(mnt / "store")
+        w = Writer(mnt / "store", access_flush_s=60.0)
         try:
             w.expect("ready")
             time.sleep(SYNC_SOON_S + 0.5)  # what the open left to the background sync is synced
@@ -247,7 +249,7 @@ def scenario_power_cut(work: Path, n: int) -> Tally:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "writer":
-        writer(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "writer":
+        writer(sys.argv[2], float(sys.argv[3]))
     else:
-        sys.exit("usage: scenario_power_cut.py writer STORE")
+        sys.exit("usage: scenario_power_cut.py writer STORE ACCESS_FLUSH_S")

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() 
 
 
 @pytest.fixture
-def cut_after(tmp_path: Path) -> Iterator[tuple[Writer, Path, FaultFS]]:
-    """A writer on a store under a FaultFS mount; the test sends it commands, then the fixture
-    cuts the power once it is told to (``fs.power_cut()`` by the test)."""
+def cut_after(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Writer, Path, FaultFS]]:
+    """A writer on a store under a FaultFS mount (``access_flush_s``: the test's parameter, if
+    any); the test sends it commands and cuts the power (``run_then_cut``)."""
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     with FaultFS(backing, mnt) as fs:
-        w = Writer(mnt / "store")
+        w = Writer(mnt / "store", getattr(request, "param", 1.0))
         try:
             w.expect("ready")
             yield w, backing / "store", fs
@@ -41,7 +41,10 @@ def run_then_cut(w: Writer, fs: FaultFS, *cmds: str) -> Promises:
     return w.promises
 
 
+@pytest.mark.parametrize("cut_after", [60.0], indirect=True)
 def test_an_acknowledged_put_survives_once_the_window_passed(cut_after: tuple[Writer, Path, FaultFS]) -> None:
+    """Nothing else commits after the puts (the access log waits a minute): the background
+    sync alone makes them durable within the window."""
     w, store, fs = cut_after
     for c in ("put 1", "put 2"):
         w.send(c)
