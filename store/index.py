@@ -34,6 +34,18 @@ LMDB transaction, the segment files to remove once it has committed, and what to
 outside LMDB (a segment file created in it) if it aborts. The map is grown in one place,
 before a write transaction starts, so no transaction function is ever replayed with
 side effects it already had.
+
+Durability. LMDB runs with ``sync=True, metasync=False``: a commit writes its pages and
+fdatasyncs them, then writes the meta page that makes it current without syncing it, so a
+power cut may undo the last commit (never more: the next commit's fdatasync, of any process,
+takes that meta page down with its own pages), and can never tear the index. A commit whose
+result is acknowledged as durable (``write(fn, durable=True)``: pins, labels, settings,
+namespace records, engine puts with ``fsync``) is followed by ``Index.sync()``, one more
+fdatasync that makes its meta page durable before the caller returns. An engine put's
+commit is made durable within ``SYNC_SOON_S`` instead (``Index.sync_soon``: one background
+sync for every commit in that time, not one more fdatasync per batch). Files are removed only
+after the commit that forgets them is synced, so a cut never leaves the index naming a file
+that is gone.
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ T = TypeVar("T")
 MAP_SIZE = 64 << 30
 #: the map grows (doubles) before a write transaction once this share of it is in use
 GROW_AT = 0.5
+#: a commit left to ``Index.sync_soon`` (engine puts) is synced this long after it, at most
+SYNC_SOON_S = 1.0
 #: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
 MAX_CHUNK_BYTES = 1 << 34
 FORMAT_VERSION = 2
@@ -582,6 +596,10 @@ class Index:
         self._pid = os.getpid()
         self._closed = False
         self._grow_lock = threading.Lock()
+        # the background sync of ``sync_soon``: its timer, and whether a commit is not synced yet
+        self._sync_lock = threading.Lock()
+        self._sync_timer: threading.Timer | None = None
+        self._unsynced = False
         self._madvise: Any = None
         self._spans: tuple[int, list[tuple[int, ...]]] | None = None
         if os.path.exists("/proc/self/maps"):
@@ -685,11 +703,45 @@ class Index:
                     self.env.set_mapsize(size * 2)
                     log.info("grew the index map of %s to %d bytes", self.path, size * 2)
 
+    def sync(self) -> None:
+        """Make every committed transaction durable (LMDB's meta page, which commits do not
+        sync: see the module's docstring). One fdatasync of the index file."""
+        self.check_usable()
+        if self.readonly:
+            return
+        self._unsynced = False  # before the sync: a commit made during it sets it again
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            self._unsynced = True
+            raise IndexWriteError(f"the index at {self.path} could not be synced to its disk ({exc})") from None
+
+    def sync_soon(self) -> None:
+        """Make the commits so far durable within ``SYNC_SOON_S``: a background sync, one
+        for all the commits made before it runs (engine puts: no fdatasync more per batch)."""
+        with self._sync_lock:
+            if self._sync_timer is not None or self._closed:
+                return
+            timer = self._sync_timer = threading.Timer(SYNC_SOON_S, self._timed_sync)
+            timer.daemon = True
+        timer.start()
+
+    def _timed_sync(self) -> None:
+        with self._sync_lock:  # close() waits for a sync under way: the environment must outlive it
+            self._sync_timer = None
+            if self._closed or not self._unsynced:
+                return
+            try:
+                self.sync()
+            except StoreError as exc:
+                log.warning("%s; the last commits are not durable yet", exc)
+
     @contextmanager
     def transact(self) -> Iterator[Txn]:
-        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed;
-        on abort (any exception), what was registered with ``Txn.on_abort`` is undone and
-        the exception propagates (LMDB errors as ``IndexWriteError``)."""
+        """A write transaction. On commit, the segment files in ``Txn.remove`` are removed,
+        once the commit is synced. On abort (any exception), what was registered with
+        ``Txn.on_abort`` is undone and the exception propagates (LMDB errors as
+        ``IndexWriteError``)."""
         self.check_usable()
         if self.readonly:
             raise StoreError("this store was opened read-only")
@@ -710,28 +762,43 @@ class Index:
                 raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
                                       "is its disk full?") from None
             raise
+        self._unsynced = True
         if t.remove:
+            self.sync()
             self.remove_files(t.remove)
 
-    def write(self, fn: Callable[[Txn], T]) -> T:
-        """Run ``fn`` in one write transaction (see ``transact``) and return its result. If
-        the map was full, ``fn`` runs once more in a new transaction after the map grew:
-        what the first one did outside LMDB was undone by its ``on_abort`` hooks."""
+    def write(self, fn: Callable[[Txn], T], durable: bool = False) -> T:
+        """Run ``fn`` in one write transaction (see ``transact``) and return its result; with
+        ``durable``, the commit is synced before this returns. If the map was full, ``fn``
+        runs once more in a new transaction after the map grew: what the first one did
+        outside LMDB was undone by its ``on_abort`` hooks."""
         try:
             with self.transact() as t:
-                return fn(t)
+                out = fn(t)
         except _MapGrown:
             with self.transact() as t:
-                return fn(t)
+                out = fn(t)
+        if durable:
+            self.sync()
+        return out
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        if not self._closed and os.getpid() == self._pid:
-            self.env.close()
-        self._closed = True
+        with self._sync_lock:
+            timer, self._sync_timer = self._sync_timer, None
+            if timer is not None:
+                timer.cancel()
+            if not self._closed and os.getpid() == self._pid:
+                if self._unsynced and not self.readonly:
+                    try:
+                        self.sync()  # a clean close leaves nothing to a background sync
+                    except StoreError as exc:
+                        log.warning("%s while closing it", exc)
+                self.env.close()
+            self._closed = True
 
 
 def drop_corrupt(index: Index, key: bytes, e: Entry, reason: str = "bad-record", detail: str = "") -> None:

@@ -125,6 +125,17 @@ class Meter:
                     h[2 + i] += 1
                     break
 
+    def pending(self) -> bool:
+        """Whether anything waits to be written."""
+        with self._lock:
+            return bool(self._counts or self._hists or self._gauges)
+
+    def peek(self) -> tuple[dict[tuple[str, Labels], float], dict[tuple[str, Labels], list[float]],
+                            dict[tuple[str, Labels], tuple[float, float]]]:
+        """Copies of the pending deltas and gauge values (they stay pending)."""
+        with self._lock:
+            return dict(self._counts), {k: list(h) for k, h in self._hists.items()}, dict(self._gauges)
+
     def take(self) -> tuple[dict[tuple[str, Labels], float], dict[tuple[str, Labels], list[float]]]:
         """The pending deltas, which are forgotten here (the caller writes them)."""
         with self._lock:

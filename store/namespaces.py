@@ -61,7 +61,7 @@ class Namespaces:
                 t.raw.put(k, json.dumps(doc, sort_keys=True).encode(), db=self.index.ns)
             return key, len(legacy)
 
-        key, migrated = self.index.write(fn)
+        key, migrated = self.index.write(fn, durable=True)
         self.salt_key = key
         if made:
             self._journal_add("salt_key", key=key.hex())
@@ -97,7 +97,7 @@ class Namespaces:
             t.raw.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self.index.ns)
             return changed
 
-        if self.index.write(fn):
+        if self.index.write(fn, durable=True):
             self._journal_add("ns", id=ns.ns_id.hex(), doc=doc)
         return ns.ns_id
 

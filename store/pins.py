@@ -2,7 +2,9 @@
 
 A key may be pinned before it is stored (an operator pins a document, an engine saves
 it later): until it arrives it reserves its expected size against the budget of the
-default tier. Pins are kept in the index and in the metadata journal.
+default tier. Pins are kept in the index and in the metadata journal; a pin or unpin is
+synced to the index's disk (and then to the journal's) before it returns, so an
+acknowledged one survives a power cut.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Pins:
             return added
 
         try:
-            added = self.index.write(fn)
+            added = self.index.write(fn, durable=True)
         except _RolledBack as rb:
             return rb.value
         if added and journal:
@@ -92,7 +94,7 @@ class Pins:
                 t.event("unpin", "operator", chunks=removed, label=label, uid=uid)
             return removed
 
-        removed = self.index.write(fn)
+        removed = self.index.write(fn, durable=True)
         if removed:
             self._journal_add("unpin", label=label, keys=None if keys is None else [k.hex() for k in keys])
         return removed

@@ -3,7 +3,9 @@
 Every read checks the record's checksum and its trailer against the index entry; a
 chunk that fails is dropped from the index and counted as corrupt, and the read is a
 miss, never wrong bytes. Hits and access times are kept in memory and written to the
-index in batches (``flush``), so reads do not write.
+index in batches (``flush``) by a background timer, at most ``access_flush_s`` after
+they happen: a read, a lookup or a save never waits for a write transaction of its own
+(a disk that stalls, e.g. frozen, stalls the timer, never the read).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ log = logging.getLogger("lmctl.store")
 
 #: chunks listed per read transaction by ``iter_chunks`` (no snapshot is held between pages)
 PAGE = 512
+#: chunks whose access times wait in memory at most (while the index cannot be written, e.g.
+#: its disk is frozen); reads of other chunks still count as hits but keep their LRU place
+MAX_PENDING = 100_000
 
 
 def chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
@@ -71,6 +76,9 @@ class Reads:
         #: this process's pending metric deltas (store/metrics.py), written with the access log
         self.meter = Meter()
         self._timer: threading.Timer | None = None
+        self._flushing = False  # a timed flush is under way (at most one: it may be stalled by the disk)
+        self._flushed = threading.Condition(lock)  # notified when a timed flush ends
+        self._stopped = False  # the store is closing: no more timed flushes
         #: called at the start of every flush (to add what others count, e.g. the remote tier's calls)
         self.before_flush: list[Callable[[Meter], None]] = []
 
@@ -308,51 +316,71 @@ class Reads:
 
     def _touch(self, key: bytes) -> None:
         with self.lock:
-            now = time.time()
             prev = self._access.get(key)
-            self._access[key] = (now, (prev[1] if prev else 0) + 1)
+            if prev is not None or len(self._access) < MAX_PENDING:
+                self._access[key] = (time.time(), (prev[1] if prev else 0) + 1)
             self._counts["hits"] += 1
-            due = time.monotonic() - self._last_flush >= self._config().access_flush_s
-        if due or len(self._access) > 10000:
-            self.flush()
+            self._schedule()
 
     def flush_if_due(self) -> None:
-        """After a metric count made outside reads: flush when ``access_flush_s`` has passed
-        since the last flush, else make sure a timer flushes then (so the counts of a process
-        that goes quiet still arrive)."""
-        wait = self._config().access_flush_s - (time.monotonic() - self._last_flush)
-        if wait <= 0:
-            self.flush()
-            return
+        """After a metric count made outside reads: make sure the timer flushes it within
+        ``access_flush_s`` (so the counts of a process that goes quiet still arrive). Never
+        writes itself: callers are on engines' paths."""
         with self.lock:
-            if self._timer is not None:
-                return
-            self._timer = threading.Timer(wait, self._timed_flush)
-            self._timer.daemon = True
+            self._schedule()
+
+    def _schedule(self) -> None:
+        """Start the flush timer, due ``access_flush_s`` after the last flush, unless one is
+        waiting or running (hold ``self.lock``)."""
+        if self._timer is not None or self._flushing or self._stopped or self.index.closed:
+            return
+        wait = max(0.0, self._config().access_flush_s - (time.monotonic() - self._last_flush))
+        self._timer = threading.Timer(wait, self._timed_flush)
+        self._timer.daemon = True
         self._timer.start()
 
     def _timed_flush(self) -> None:
         with self.lock:
             self._timer = None
+            self._flushing = True
         try:
             if not self.index.closed:
                 self.flush()
         except Exception as exc:  # a closed or failing index: the counts wait for the next flush
             log.debug("timed flush of the access log failed: %s", exc)
+        finally:
+            with self.lock:
+                self._flushing = False
+                self._flushed.notify_all()
+                if self._access or any(self._counts.values()) or self.meter.pending():
+                    self._schedule()  # what arrived while this flush ran
 
     def cancel_timer(self) -> None:
+        """Stop timed flushes (the store is closing): the pending one is cancelled, and one
+        under way is waited for, so that the index is never closed under it."""
         with self.lock:
+            self._stopped = True
             timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
+            self._flushed.wait_for(lambda: not self._flushing)
 
-    def flush(self) -> None:
-        """Write pending access times, hit/miss counts and metric deltas to the index."""
+    def _collect(self) -> None:
+        """Have the ``before_flush`` hooks add what others counted to the meter."""
         for hook in list(self.before_flush):
             try:
                 hook(self.meter)
             except Exception:  # a metric source must never stop the access log
                 log.warning("collecting metrics before a flush failed", exc_info=True)
+
+    def pending_counts(self) -> dict[str, int]:
+        """This process's hits and misses not written to the index yet."""
+        with self.lock:
+            return dict(self._counts)
+
+    def flush(self) -> None:
+        """Write pending access times, hit/miss counts and metric deltas to the index."""
+        self._collect()
         with self.lock:
             pending, self._access = self._access, {}
             counts, self._counts = self._counts, {"hits": 0, "misses": 0}
@@ -381,12 +409,20 @@ class Reads:
             raise
 
     def metric_cells(self) -> list[Cell]:
-        """The stored metric totals (store/metrics.py), every process's flushed counts."""
-        return parse_cells(self._meta_rows(PREFIX))
+        """The metric totals (store/metrics.py): every process's flushed counts, plus this
+        process's pending ones (added here in memory: nothing is written)."""
+        self._collect()
+        counts, hists, _gauges = self.meter.peek()
+        rows = dict(self._meta_rows(PREFIX))
+        add_to_cells(rows.get, rows.__setitem__, counts, hists)
+        return parse_cells(sorted(rows.items()))
 
     def metric_gauges(self, max_age_s: float | None) -> list[Gauge]:
-        """The gauges processes set within ``max_age_s`` (store/metrics.py)."""
-        return parse_gauges(self._meta_rows(GAUGE_PREFIX), max_age_s)
+        """The gauges processes set within ``max_age_s`` (store/metrics.py), this process's
+        pending values included."""
+        rows = dict(self._meta_rows(GAUGE_PREFIX))
+        put_gauges(rows.__setitem__, self.meter.peek()[2])
+        return parse_gauges(sorted(rows.items()), max_age_s)
 
     def _meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         with self.index.read() as t:

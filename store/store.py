@@ -198,6 +198,8 @@ class Store:
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+            # what the open wrote (settings, salt key, boot id, restored pins) survives a power cut
+            self._index.sync()
         else:
             for st in self._tiers.values():
                 self._recovery.check_marker(st)
@@ -314,17 +316,14 @@ class Store:
             self._reads.flush_if_due()
 
     def metric_gauges(self, max_age_s: float | None = 60.0) -> list[Gauge]:
-        """The gauges every process set within ``max_age_s`` seconds (this process's written
-        first)."""
-        if not self.readonly:
-            self.flush()
+        """The gauges every process set within ``max_age_s`` seconds (this process's pending
+        values included; nothing is written, so this never waits for the disk)."""
         return self._reads.metric_gauges(max_age_s)
 
     def metric_cells(self) -> list[Cell]:
-        """The metric totals of every process that used this store (store/metrics.py), with
-        this process's pending counts written first."""
-        if not self.readonly:
-            self.flush()
+        """The metric totals of every process that used this store (store/metrics.py): what
+        they flushed (each within its ``access_flush_s``) plus this process's pending counts,
+        added in memory (nothing is written, so this never waits for the disk)."""
         return self._reads.metric_cells()
 
     def _promote(self, key: bytes) -> None:
@@ -426,7 +425,8 @@ class Store:
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
         them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change."""
+        and its folder cannot change. The new settings are synced to disk before this
+        returns."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
@@ -450,7 +450,8 @@ class Store:
                     if name in self._tiers:
                         self._tiers.pop(name).io.close()
                 raise
-            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
+            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta),
+                              durable=True)
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
@@ -546,7 +547,9 @@ class Store:
 
     def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None) -> list[bool]:
         """Store chunks in one batch: one reservation, the records written with hashing
-        overlapping the disk, one sync per segment (with ``fsync``), one commit.
+        overlapping the disk, one sync per segment (with ``fsync``), one commit. With
+        ``fsync``, the commit is durable (survives a power cut) within ``SYNC_SOON_S`` (1 s)
+        of the return: a background sync (see docs/architecture.md, "The sync policy").
 
         Returns, per item, whether it was stored. A chunk that is already present is
         not written again; a chunk that does not fit (the tier is full of pinned
@@ -739,6 +742,7 @@ class Store:
         number of pin references added (a label pins a key at most once). Raises
         ``PinBudgetError`` (changing nothing) if a budget would be exceeded.
         ``dry_run`` does all of it, budget check included, then rolls the transaction back.
+        A pin (like an unpin) is synced to disk before it returns: it survives a power cut.
         A chunk that only the remote tier holds cannot be pinned (``StoreError``): the server
         evicts what it likes unless it runs with ``maxmemory-policy noeviction``.
         """
@@ -830,11 +834,12 @@ class Store:
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """Usage per tier and the store's counters (pending access counts are flushed first)."""
-        if not self.readonly:
-            self.flush()
+        """Usage per tier and the store's counters, as committed (this process's pending hit
+        and miss counts added; other processes' arrive within their ``access_flush_s``). Reads
+        only: a stalled disk under the index's writers never makes this wait."""
+        pending = self._reads.pending_counts()
         with self._index.read() as t:
-            counters = {k: t.counter(k) for k in (
+            counters = {k: t.counter(k) + pending.get(k, 0) for k in (
                 "puts", "payload_bytes", "written_bytes", "hits", "misses", "corrupt", "evicted",
                 "rejected_full", "compacted_bytes", "pin_reserved", "evicted_retired")}
             segs = t.segments()

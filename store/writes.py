@@ -128,6 +128,8 @@ class Writes:
             except StoreError:
                 self.space.release(st, plan)  # not indexed: give its space back (if the index can be written)
                 raise
+            if self._config().fsync:  # an acknowledged put survives a power cut that comes SYNC_SOON_S later
+                self.index.sync_soon()
         if share and replace is None and self.on_stored is not None:
             shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)

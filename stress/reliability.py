@@ -26,6 +26,13 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   writer runs and is killed (root only: skipped with a message elsewhere); an open is refused
   while the folder is open to her, and once it is private again no open hangs, every read is
   exact or a miss, her chunk is never served and the root-only file is unchanged.
+* power-cut: a writer process puts, pins, unpins and changes settings through a store on a
+  FUSE file system that drops unsynced writes (tests/faultfs.py), cut at a random moment;
+  the backing folder opened directly keeps every acknowledged put (exact bytes), pin, unpin
+  and setting, and verify --deep is clean (stress/scenario_power_cut.py; skipped without FUSE).
+* frozen: fsfreeze a loop-mounted ext4 under a tier while a writer's put blocks on it: reads,
+  status and ls answer; with the whole store on it, everything waits and catches up after the
+  thaw (stress/scenario_frozen.py; root only).
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -468,6 +475,8 @@ def main() -> int:
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
         ("hostile-folders", lambda w: topic("hostile_folders")(w, 2 if q else 20)),
+        ("power-cut", lambda w: topic("power_cut")(w, 2 if q else 30)),
+        ("frozen", lambda w: topic("frozen")(w, 1 if q else 10)),
     ]
     rows = []
     for name, run in plan:
