@@ -57,7 +57,7 @@ from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexWriteError, StoreError
 from .private import DIR_MODE
-from .segment import ALIGN, RecordTrailer, align_up, record_len
+from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 
 if TYPE_CHECKING:
     from .events import EventLog
@@ -69,8 +69,6 @@ T = TypeVar("T")
 MAP_SIZE = 64 << 30
 #: the map grows (doubles) before a write transaction once this share of it is in use
 GROW_AT = 0.5
-#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
-MAX_CHUNK_BYTES = 1 << 34
 FORMAT_VERSION = 2
 #: formats this lmctl opens (a format-1 store gets its counts built at its first writable open)
 FORMATS = (1, 2)

@@ -554,36 +554,52 @@ class Store:
             found.tiers = sharing.locate(found.keys, found.tiers)
         return found
 
-    def get(self, key: bytes, touch: bool = True) -> Chunk | None:
-        """Read and verify one chunk; None on a miss (absent, corrupt or foreign).
+    def get(self, key: bytes, touch: bool = True, *, expect: int | None = None) -> Chunk | None:
+        """Read and verify one chunk; None on a miss (absent, corrupt, foreign or of the wrong
+        length).
 
+        ``expect``: the exact raw length the caller wants. Without it the chunk may hold at
+        most one chunk of its namespace's KV format (when the index records the namespace,
+        ``key[:16]``), else ``READ_CAP`` (1 GiB). The lengths a record claims are checked
+        against that before anything is allocated: a chunk that claims other lengths is a
+        miss, dropped and counted (``bad-length``).
         ``touch=False`` is for the store's own work (move, compress, warm): the read counts
         as neither a hit nor a miss and leaves the chunk's access time alone. A chunk only the
         remote tier holds is read from there (and promoted into the local default tier)."""
-        chunk = self._reads.get(key, touch)
+        limit = expect if expect is not None else self._reads.read_bound(key)
+        chunk = self._reads.get(key, touch, expect, limit)
         sharing = self._sharing
         if chunk is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, None)
+            got = sharing.fetch_into(key, None, expect=expect, limit=limit)
             if got is not None:
                 info, data = got
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
         return chunk
 
-    def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
-        """Read one chunk into ``out`` (a writable buffer of at least its raw size).
+    def get_into(self, key: bytes, out: Buffer, touch: bool = True, *,
+                 expect: int | None = None) -> ChunkInfo | None:
+        """Read one chunk into ``out`` (a writable buffer); its bytes land in
+        ``out[:raw_bytes]``.
 
         Returns its metadata, or None on a miss. On a miss ``out`` may hold garbage.
-        A chunk whose bytes fail the checksum, or whose record names another key, is
-        removed from the index and counted as corrupt. A chunk only the remote tier holds is
-        read from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
+        ``expect``: the exact raw length the caller wants (an engine: its KV format's
+        ``chunk_bytes``); without it, a chunk of at most ``len(out)`` bytes. The lengths a
+        record claims are checked against that before anything is read: a chunk that claims
+        others is a miss, removed from the index and counted (``bad-length``), as is one whose
+        bytes fail the checksum or whose record names another key (``bad-record``) or whose
+        read fails on a disk error (``io-error``). A chunk only the remote tier holds is read
+        from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
         """
+        view = memoryview(out).cast("B")
+        if expect is not None and expect > len(view):
+            raise StoreError(f"get_into: the buffer of {len(view)} bytes cannot take the {expect} expected")
         t0 = time.perf_counter()
-        info = self._reads.get_into(key, out, touch)
+        info = self._reads.get_into(key, view, touch, expect)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
         sharing = self._sharing
         if info is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, memoryview(out).cast("B"))
+            got = sharing.fetch_into(key, view, expect=expect, limit=len(view))
             info = None if got is None else got[0]
         if info is not None and touch:
             m = self._reads.meter
