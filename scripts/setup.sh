@@ -15,6 +15,11 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
     echo "setup: installing redis-server and openssl" >&2
     apt-get update -qq && apt-get install -y -qq redis-server openssl >/dev/null
 fi
+# The fault-injection tests (tests/faultfs.py) mount a FUSE file system through libfuse2.
+if [ -e /dev/fuse ] && ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; then
+    echo "setup: installing libfuse2" >&2
+    apt-get update -qq && apt-get install -y -qq libfuse2 >/dev/null
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 
 stamp=.venv/.setup-stamp
