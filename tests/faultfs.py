@@ -159,6 +159,15 @@ def _serve(backing: str, mountpoint: str, control: str) -> None:
         uid, gid, _pid = fuse_get_context()
         os.lchown(path, uid, gid)
 
+    def make(path: str, create: Callable[[str], None], remove: Callable[[str], None]) -> None:
+        """A new name, owned by the caller, whose creation a cut undoes unless committed."""
+        with lock:
+            live()
+            p = real(path)
+            create(p)
+            owned(p)
+            undo.append(lambda: remove(p))
+
     def node_of(path: str, fi: Any = None) -> _Node | None:
         if fi is not None and fi.fh in handles:
             return handles[fi.fh]
@@ -251,12 +260,7 @@ def _serve(backing: str, mountpoint: str, control: str) -> None:
                     os.utime(real(path), follow_symlinks=False)
 
         def mkdir(self, path: str, mode: int) -> None:
-            with lock:
-                live()
-                p = real(path)
-                os.mkdir(p, mode)
-                owned(p)
-                undo.append(lambda: os.rmdir(p))
+            make(path, lambda p: os.mkdir(p, mode), os.rmdir)
 
         def rmdir(self, path: str) -> None:
             with lock:
@@ -268,20 +272,10 @@ def _serve(backing: str, mountpoint: str, control: str) -> None:
                 undo.append(lambda: os.rename(kept, p))
 
         def mknod(self, path: str, mode: int, dev: int) -> None:
-            with lock:
-                live()
-                p = real(path)
-                os.mknod(p, mode, dev)
-                owned(p)
-                undo.append(lambda: os.unlink(p))
+            make(path, lambda p: os.mknod(p, mode, dev), os.unlink)
 
         def symlink(self, target: str, source: str) -> None:
-            with lock:
-                live()
-                p = real(target)
-                os.symlink(source, p)
-                owned(p)
-                undo.append(lambda: os.unlink(p))
+            make(target, lambda p: os.symlink(source, p), os.unlink)
 
         def link(self, target: str, source: str) -> None:
             raise fail(errno.EPERM)
