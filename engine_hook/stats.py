@@ -81,8 +81,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("dropped_saves", "counter",
            "Chunks not saved, by reason: queue_full (every staging buffer waited for the writer), "
            "store_full (the store refused it: the tier is full of pinned chunks or too small), "
+           "read_only (the store's filesystem is read-only), "
            "error (copying it out of the engine or writing it raised).",
-           "reason", ("queue_full", "store_full", "error")),
+           "reason", ("queue_full", "store_full", "read_only", "error")),
     Metric("lookups", "counter", "Requests the lmctl connector looked up in the store."),
     Metric("policy_recomputed_tokens", "counter",
            "Stored prompt tokens that the load policy chose to recompute, predicting that loading them "

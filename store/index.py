@@ -55,7 +55,7 @@ import lmdb
 
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
-from .errors import CorruptEntry, IndexWriteError, StoreError
+from .errors import CorruptEntry, IndexWriteError, ReadOnlyError, StoreError, is_read_only
 from .private import DIR_MODE
 from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 
@@ -587,9 +587,14 @@ class Index:
                 self._madvise = ctypes.CDLL(None, use_errno=True).madvise
             except (OSError, AttributeError):
                 pass
+        #: why nothing can be written (None: it can): an open read-only, or the filesystem refused
+        self.readonly_reason: str | None = "the store was opened read-only" if readonly else None
         try:
             self.env = self._open()
         except lmdb.Error as exc:
+            if is_read_only(exc):  # nothing is damaged: the disk is read-only
+                raise ReadOnlyError(f"the index at {path} is on a read-only filesystem ({exc}); remount it "
+                                    "read-write, or open the store read-only") from None
             raise StoreError(f"the index at {path} cannot be opened ({type(exc).__name__}: {exc}); if it is "
                              "damaged, stop every process that uses the store and move that folder aside: the "
                              "next open rebuilds it from the segment files and the metadata journal") from None
@@ -690,7 +695,7 @@ class Index:
         the exception propagates (LMDB errors as ``IndexWriteError``)."""
         self.check_usable()
         if self.readonly:
-            raise StoreError("this store was opened read-only")
+            raise ReadOnlyError(f"nothing can be written: {self.readonly_reason}")
         self._grow()
         t: Txn | None = None
         try:
@@ -704,6 +709,9 @@ class Index:
                 with self._grow_lock:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
                 raise _MapGrown(f"the index at {self.path} was full; its map has grown") from None
+            if isinstance(exc, lmdb.Error) and is_read_only(exc):
+                self.went_read_only(f"its filesystem went read-only ({exc})")
+                raise ReadOnlyError(f"nothing can be written: {self.readonly_reason}") from None
             if isinstance(exc, lmdb.Error):  # e.g. the index's disk is full: nothing was committed
                 raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
                                       "is its disk full?") from None
@@ -721,6 +729,15 @@ class Index:
         except _MapGrown:
             with self.transact() as t:
                 return fn(t)
+
+    def went_read_only(self, reason: str) -> None:
+        """The filesystem refused a write because it is read-only: from now on this index is
+        read only (reads go on; every write transaction raises ``ReadOnlyError`` at once)."""
+        if not self.readonly:
+            log.error("store index %s: %s; serving reads only from now on (saves are refused) until "
+                      "the filesystem is read-write again and this process restarts", self.path, reason)
+        self.readonly = True
+        self.readonly_reason = reason
 
     @property
     def closed(self) -> bool:

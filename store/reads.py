@@ -340,7 +340,10 @@ class Reads:
                 self._failed(key, e, "bad-record", str(exc), touch)
                 return None
             if touch:
-                self._touch(key)
+                try:
+                    self._touch(key)
+                except StoreError as exc:  # the access log could not be written: the hit stands
+                    log.warning("could not record a hit of chunk %s: %s", short_key(key), exc)
             return chunk_info(key, e, 0), out
         self._count_miss(touch)
         return None

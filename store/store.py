@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .codec import Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig
-from .errors import StoreError
+from .errors import ReadOnlyError, StoreError, is_read_only
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
@@ -85,13 +85,42 @@ class Store:
     after ``fork``)."""
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, fallback_readonly: bool = False) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
-        an index that was lost is rebuilt from the segments and the metadata journal."""
+        an index that was lost is rebuilt from the segments and the metadata journal.
+
+        On a read-only filesystem (EROFS from the index or a file: mounted ``ro``, or gone
+        read-only after an error) a writable open raises ``ReadOnlyError``; with
+        ``fallback_readonly`` (engines, the daemon) it opens read-only instead: hits are
+        served, saves are refused (``ReadOnlyError``, counted in ``refused_saves``), and
+        ``readonly_reason`` says why. A store whose filesystem goes read-only while it is
+        open turns read-only the same way at its first refused write."""
+        try:
+            self._start(path, config, readonly)
+        except Exception as exc:
+            if readonly or not fallback_readonly or not is_read_only(exc):
+                raise
+            log.error("store %s: %s; opening it read-only: hits are served, saves refused", path, exc)
+            self._start(path, None, True)
+            self._index.readonly_reason = "its filesystem is read-only"
+
+    @property
+    def readonly(self) -> bool:
+        """Whether nothing can be written: opened read-only, or its filesystem is read-only."""
+        return self._index.readonly
+
+    @property
+    def readonly_reason(self) -> str | None:
+        """Why nothing can be written (None: it can)."""
+        return self._index.readonly_reason if self._index.readonly else None
+
+    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self.readonly = readonly
+        #: chunks ``put_many`` refused because the store is read-only (this process's, in memory:
+        #: a read-only index cannot count them)
+        self.refused_saves = 0
         self._lock = threading.RLock()
         self._closed = False
         if readonly and not os.path.isdir(os.path.join(self.path, "index")):
@@ -283,7 +312,7 @@ class Store:
                 with self._promote_lock:
                     self._promoting.discard(key)
 
-        if self.pin_refs(key):
+        if self.readonly or self.pin_refs(key):
             return  # pinned chunks stay where they are: dram has a pin budget of its own
         with self._promote_lock:
             if key in self._promoting or len(self._promoting) >= PROMOTE_QUEUE or self._closed:
@@ -488,15 +517,24 @@ class Store:
         Returns, per item, whether it was stored. A chunk that is already present is
         not written again; a chunk that does not fit (the tier is full of pinned
         chunks, or the chunk is larger than the tier) is dropped and counted, never
-        raised: a cache that cannot store simply misses later. ``DiskFullError`` when
-        the disk itself is full (nothing of the batch is stored).
+        raised: a cache that cannot store simply misses later. When the default tier's disk
+        is full or read-only, the batch spills to the next local tier (see ``Writes.save``).
+        ``DiskFullError`` when the disk itself is full and no tier takes the batch (nothing
+        of it is stored); ``ReadOnlyError`` when the store is read-only (``readonly``; the
+        refused chunks are counted in ``refused_saves``).
         """
         t0 = time.perf_counter()
-        stored = self._writes.put_many(items, tier, level=level)
+        try:
+            if self.readonly:
+                raise ReadOnlyError(f"{len(items)} chunk(s) not stored: {self.readonly_reason}")
+            stored, where = self._writes.save(items, tier, level=level)
+        except ReadOnlyError:
+            with self._lock:
+                self.refused_saves += len(items)
+            raise
         n = sum(stored)
         if n:
             m = self._reads.meter
-            where = tier or self.config.default_tier
             m.inc("saves_total", n, tier=where)
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
@@ -657,6 +695,8 @@ class Store:
         and compress a batch of cold raw chunks (``compress_cold_after_s``). Returns what it
         did."""
         out = MaintenanceResult()
+        if not self.check_writable():  # every step writes: nothing to do until the store can write again
+            return out
         for name, st in self._tiers.items():
             if self._space.used(name) > high_watermark * st.cfg.capacity:
                 with self._lock:
@@ -671,6 +711,24 @@ class Store:
         if self.config.compress_cold_after_s > 0:
             out.chunks_compressed = self._compress_cold()
         return out
+
+    def check_writable(self) -> bool:
+        """Whether the store can still be written; one whose filesystem went read-only turns
+        read-only now (``readonly``) instead of at its next refused write. The probe writes
+        nothing: it opens the metadata journal for writing, which a read-only filesystem refuses
+        (EROFS). A frozen filesystem blocks it: call it off every request's path (maintenance)."""
+        if self.readonly:
+            return False
+        try:
+            fd = os.open(os.path.join(self.path, "meta.journal"),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if not is_read_only(exc):
+                return True  # another trouble: the next write reports it
+            self._index.went_read_only(f"its filesystem went read-only ({exc.strerror})")
+            return False
+        os.close(fd)
+        return True
 
     def _compress_cold(self, batch: int = COLD_BATCH) -> int:
         """Compress up to ``batch`` raw chunks unread for ``compress_cold_after_s`` (oldest first)."""
