@@ -329,6 +329,7 @@ class Daemon:
         """One daemon per store, whatever its socket: a flock'ed file in the store folder that
         names the daemon holding it."""
         path = os.path.join(self.store_dir, "daemon.lock")
+        writable = True
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
@@ -338,7 +339,7 @@ class Daemon:
                 log.warning("the store %s is on a read-only filesystem: serving it without its daemon lock",
                             self.store_dir)
                 return
-            fd = os.open(path, os.O_RDONLY)  # a read-only filesystem: flock it, name no holder
+            fd, writable = os.open(path, os.O_RDONLY), False  # a read-only filesystem: flock it, name no holder
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -348,12 +349,9 @@ class Daemon:
                 raise AlreadyServing(f"another lmctl daemon already serves the store {self.store_dir}"
                                      + (f" ({holder})" if holder else "") + "; one daemon per store") from None
             raise
-        try:
+        if writable:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {self.socket_path}\n".encode(), 0)
-        except OSError as exc:
-            if exc.errno not in (errno.EROFS, errno.EBADF):  # EBADF: opened read-only above
-                raise
         self._store_lockfd = fd
 
     def _check_store(self) -> None:

@@ -39,5 +39,10 @@ class IndexWriteError(StoreError):
     """A write transaction of the index failed (nothing of it was committed)."""
 
 
+class IndexReopened(StoreError):
+    """A read transaction was cut short: the index's environment was opened again (read-only,
+    after its filesystem went read-only) while it ran. Reading again works."""
+
+
 class CorruptEntry(StoreError):
     """An index entry that cannot be decoded (LMDB keeps no checksums of its own)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import CODEC_NAMES, Codec, max_encoded
 from .config import TIER_NAMES, StoreConfig
-from .errors import CorruptEntry, StoreError
+from .errors import CorruptEntry, IndexReopened, StoreError
 from .index import (
     ENTRY_CODEC_OFFSET,
     ENTRY_TIER_OFFSET,
@@ -121,12 +121,17 @@ class Reads:
         with self.index.read() as t:
             return t.entry_raw(key) is not None
 
-    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+    def locate(self, keys: Sequence[bytes], again: bool = True) -> list[str | None]:
         out: list[str | None] = []
-        with self.index.read() as t:
-            for k in keys:
-                raw = t.entry_raw(k)
-                out.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+        try:
+            with self.index.read() as t:
+                for k in keys:
+                    raw = t.entry_raw(k)
+                    out.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+        except IndexReopened:
+            if not again:
+                raise
+            return self.locate(keys, again=False)
         return out
 
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
@@ -288,8 +293,11 @@ class Reads:
         entry claims are checked against ``expect`` (the exact raw length wanted) and
         ``limit`` before anything is allocated or read."""
         for attempt in range(3):
-            with self.index.read() as t:
-                raw = t.entry_raw(key)
+            try:
+                with self.index.read() as t:
+                    raw = t.entry_raw(key)
+            except IndexReopened:
+                continue
             if raw is None:
                 self._count_miss(touch)
                 return None

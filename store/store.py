@@ -277,13 +277,13 @@ class Store:
         m.inc("lookups_total", 1, **who)
         m.inc("lookup_hit_tokens_total", hit_tokens, **who)
         m.inc("lookup_miss_tokens_total", max(0, tokens - hit_tokens), **who)
-        self._reads.flush_if_due()
+        self._flush_if_due()
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         """Set this process's current value of a gauge (e.g. an engine's save queue depth,
         labelled by its pid); written with the access log, read by ``metric_gauges``."""
         if self._reads.meter.gauge(name, value, **labels):
-            self._reads.flush_if_due()
+            self._flush_if_due()
 
     def metric_gauges(self, max_age_s: float | None = 60.0) -> list[Gauge]:
         """The gauges every process set within ``max_age_s`` seconds (this process's written
@@ -539,8 +539,16 @@ class Store:
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
             m.observe("save_seconds", time.perf_counter() - t0, tier=where)
-            self._reads.flush_if_due()
+            self._flush_if_due()
         return stored
+
+    def _flush_if_due(self) -> None:
+        """``Reads.flush_if_due`` after a count: an index that cannot be written now (a disk gone
+        read-only) must not turn the save or lookup that counted into an error."""
+        try:
+            self._reads.flush_if_due()
+        except StoreError as exc:
+            log.debug("writing the metric counts failed: %s", exc)
 
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
                 level: int | None = None, progress: Callable[[int, int], None] | None = None,

@@ -232,22 +232,31 @@ class Writes:
                     "not stored; free space there or lower the tier's capacity") from None
             if is_read_only(failure):
                 raise self._read_only(st, len(done) or len(todo)) from None
+            if isinstance(failure, OSError):  # e.g. EIO from a sync as the disk turns read-only
+                refused = self._index_refuses()
+                if refused is not None:
+                    raise refused from None
             raise failure
         self.space.close_retired(st)
         return done, written
 
     def _read_only(self, st: TierState, chunks: int) -> ReadOnlyError:
-        """The error for a write that tier ``st``'s filesystem refused as read-only. If the
-        index is on a read-only filesystem too, a probe write finds out (and the store turns
-        read-only: ``Index.went_read_only``)."""
+        """The error for a write that tier ``st``'s filesystem refused as read-only (the
+        index's own, when it refuses too)."""
+        return self._index_refuses() or ReadOnlyError(
+            f"the filesystem under tier {st.name} ({st.io.dir}) is read-only: {chunks} chunk(s) not stored; "
+            "remount it read-write")
+
+    def _index_refuses(self) -> ReadOnlyError | None:
+        """After a segment write failed: whether the index is on a read-only filesystem now.
+        A probe write finds out (and the store turns read-only: ``Index.went_read_only``)."""
         try:
             self.index.write(lambda t: t.raw.put(b"write_probe", b"", db=self.index.meta))
         except ReadOnlyError as exc:
             return exc
         except StoreError:
-            pass  # another trouble of the index: the tier's error is still the one to report
-        return ReadOnlyError(f"the filesystem under tier {st.name} ({st.io.dir}) is read-only: {chunks} chunk(s) "
-                             "not stored; remount it read-write")
+            pass  # another trouble of the index: the segment's error is the one to report
+        return None
 
     # -- rewriting ---------------------------------------------------------------------
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,

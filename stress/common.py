@@ -4,6 +4,9 @@ workers use them too) and the tally each scenario returns."""
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -34,3 +37,16 @@ class Tally:
     def row(self) -> dict[str, Any]:
         return {"scenario": self.name, "trials": self.trials, "failures": len(self.failures),
                 "first_failures": self.failures[:5], **self.facts}
+
+
+@contextmanager
+def quiet_store_log(level: int = logging.CRITICAL) -> Iterator[None]:
+    """The store's log below ``level`` is dropped meanwhile: a scenario that injects faults
+    by the hundred would print a warning for each one it is checking."""
+    log = logging.getLogger("lmctl.store")
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)

@@ -21,6 +21,17 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   promptly on SIGTERM.
 * concurrent: clients (lookup, ls, inspect, pin, unpin, compress) with a writer process and
   the daemon's maintenance running, ending with verify --deep.
+* eio: a FUSE passthrough under the nvme tier fails the reads of random chunks with EIO;
+  every read returns the exact bytes or a miss, never an exception; each unreadable chunk
+  is dropped and counted (io-error); verify --deep lists them all and --fix drops them all
+  (stress/scenario_eio.py; skipped without FUSE).
+* readonly: a loop-mounted ext4 goes read-only (ext4's error trigger, errors=remount-ro)
+  under a running daemon, a writer and a reader; reads go on, saves are refused and counted,
+  the daemon stays up and says read-only, and restarts on the read-only disk (root only;
+  stress/scenario_readonly.py).
+* full-shm: another uid's file fills the 16 MiB tmpfs under the dram tier; saves land on
+  nvme, counted as spilled, read back exactly, and dram takes saves again once it has room
+  (root only; stress/scenario_full_shm.py).
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -284,11 +295,11 @@ def scenario_full_disk(work: Path, n: int) -> Tally:
 
 # -- a real daemon ------------------------------------------------------------------------------
 class Daemon:
-    def __init__(self, store: Path, extra: list[str] | None = None) -> None:
-        self.store, self.sock = store, store / "lmctl.sock"
+    def __init__(self, store: Path, extra: list[str] | None = None, sock: Path | None = None) -> None:
+        self.store, self.sock = store, sock or store / "lmctl.sock"
         self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--init",
-                                      "--maintenance-interval", "0.5", *(extra or [])], env=ENV,
-                                     stderr=subprocess.PIPE, text=True)
+                                      "--socket", str(self.sock), "--maintenance-interval", "0.5", *(extra or [])],
+                                     env=ENV, stderr=subprocess.PIPE, text=True)
         end = time.time() + 30
         while time.time() < end:
             try:
@@ -462,6 +473,9 @@ def main() -> int:
         ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
+        ("eio", lambda w: topic("eio")(w, 2 if q else 40)),
+        ("readonly", lambda w: topic("readonly")(w, 1 if q else 6)),
+        ("full-shm", lambda w: topic("full_shm")(w, 1 if q else 10)),
     ]
     rows = []
     for name, run in plan:

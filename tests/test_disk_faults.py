@@ -30,6 +30,7 @@ from store import (
     open_shared,
     release_shared,
 )
+from stress.scenario_full_shm import fill
 
 CHUNK = 64 << 10
 
@@ -297,21 +298,6 @@ def small_shm(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def fill_up(folder: Path, uid: int = 54321) -> Path:
-    """Fill ``folder``'s filesystem with one file of another owner."""
-    hog = folder / "hog"
-    fd = os.open(hog, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while os.write(fd, bytes(64 << 10)):
-            pass
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    os.chown(hog, uid, uid)
-    return hog
-
-
 def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
         small_shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Today every save to a dram tier whose tmpfs another user filled raises DiskFullError,
@@ -325,7 +311,7 @@ def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
     s = Store(tmp_path / "store", cfg)
     try:
         assert s.put(key(0), content(key(0), CHUNK), {"dtype": "uint8"}, tokens=16)
-        hog = fill_up(small_shm)
+        hog = fill(small_shm)
         keys = [key(i) for i in range(1, 41)]  # 2.5 MiB: more than any room left in dram's tmpfs
         for i in range(0, 40, 4):
             items = [PutItem(k, content(k, CHUNK), {"dtype": "uint8"}, 16) for k in keys[i:i + 4]]
@@ -347,7 +333,7 @@ def test_a_tier_named_by_the_caller_never_spills(small_shm: Path, tmp_path: Path
     cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(small_shm / "lmctl")),
                              "nvme": TierConfig(capacity=64 * MiB)}, default_tier="dram")
     with Store(tmp_path / "store", cfg) as s:
-        fill_up(small_shm)
+        fill(small_shm)
         with pytest.raises(DiskFullError, match="dram"):
             s.put_many([PutItem(key(1), content(key(1), CHUNK), {"dtype": "uint8"}, 16)], tier="dram")
         assert not s.contains(key(1))
