@@ -224,6 +224,28 @@ def test_a_short_chunk_never_leaves_the_previous_chunks_kv_in_the_engine(
     assert worker.store.event_counters()["corrupt_total"] == {"bad-length": 1}
 
 
+def test_the_worker_checks_every_read_against_the_chunk_size_itself(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a store returns (here one that ignores ``expect``), the worker compares the
+    bytes read with the chunk size before the staging buffer goes into the engine."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    first, second = Namespace("m", FMT).chunk_keys(PROMPT)
+    worker.save([SaveOp("r1", first, [0, 1])])
+    assert worker.flush(10)
+    assert worker.store.put(second, content(second, FMT.chunk_bytes // 2), {"dtype": "float32"}, tokens=32)
+    real = worker.store.get_into
+    monkeypatch.setattr(worker.store, "get_into", lambda k, out, *a, **kw: real(k, out))
+    before = {n: t[[6, 7]].clone() for n, t in caches.items()}
+    worker.take_stats()
+    worker.load([LoadOp("r2", [first, second], [[4, 5], [6, 7]])])
+    assert worker.wait_loads(30) and worker.take_finished() == {"r2"}
+    assert worker.take_load_errors() == {6, 7}
+    assert all(torch.equal(caches[n][[6, 7]], before[n]) for n in LAYERS)
+    report = worker.take_stats()
+    assert report is not None and report["counters"]["failed_loads"] == {"bad_length": 1}
+
+
 def client_with(tmp_path: Path, size: int) -> tuple[KVCacheClient, list[int], torch.Tensor]:
     """A client whose prompt has two chunks: the first saved by it, the second put with ``size`` bytes."""
     c = KVCacheClient(tmp_path / "s", "m", FMT)
