@@ -23,22 +23,19 @@ MAX_CHUNK_SIZE = 1 << 16
 MAX_SAVE_QUEUE = 1024
 
 
-def default_dram_path(store_path: str) -> str:
+#: where default dram folders live: tmpfs, shared by every user (sticky, like /tmp)
+DRAM_ROOT = "/dev/shm"
+
+
+def default_dram_path(store: Store) -> str:
     """Where a connector's ``dram_capacity`` puts the dram tier unless ``dram_path`` says:
-    tmpfs (``/dev/shm``), one folder per store."""
+    ``/dev/shm/lmctl-UID/STORE-ID``, a folder per store under a parent private to this user
+    (both 0700, made by the store and checked like every folder of it at each open: one that
+    another user made first is refused)."""
     import hashlib
 
-    path = os.path.join("/dev/shm", "lmctl-" + hashlib.sha256(store_path.encode()).hexdigest()[:12])
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return path
-    import stat
-
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise StoreError(f"{path} exists and is not a private folder of this user (another user may have made "
-                         "it); remove it or set dram_path")
-    return path
+    name = store.store_id or hashlib.sha256(store.path.encode()).hexdigest()[:32]
+    return os.path.join(DRAM_ROOT, f"lmctl-{os.geteuid()}", name)
 
 
 def _whole(value: Any, name: str, lo: int, hi: int) -> int:
@@ -139,7 +136,7 @@ class ConnectorSettings:
         if self.dram_capacity is not None:
             # saves go to dram; under pressure they are demoted to nvme, and nvme hits promoted
             dram = cfg.tiers.get("dram")
-            path = self.dram_path or (dram.path if dram is not None else None) or default_dram_path(self.store_path)
+            path = self.dram_path or (dram.path if dram is not None else None) or default_dram_path(store)
             if dram is None:
                 cfg.tiers["dram"] = TierConfig(capacity=self.dram_capacity, path=path)
             else:

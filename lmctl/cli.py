@@ -22,6 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from . import __version__, completion
+from .client import parse_daemon_uids
 from .manifest import export, warm_manifest
 from .prefill import prefill
 from .selectors import contradicting_flags, with_selectors
@@ -44,10 +45,10 @@ def hoist_globals(argv: list[str]) -> list[str]:
         a = argv[i]
         if a == "--json":
             globals_.append(a)
-        elif a == "--socket" and i + 1 < len(argv):
+        elif a in ("--socket", "--daemon-uid") and i + 1 < len(argv):
             globals_ += [a, argv[i + 1]]
             i += 1
-        elif a.startswith("--socket="):
+        elif a.startswith(("--socket=", "--daemon-uid=")):
             globals_.append(a)
         else:
             out.append(a)
@@ -104,6 +105,9 @@ def _main(
     socket_path: Annotated[str | None, typer.Option(
         "--socket", envvar="LMCTL_SOCKET", help="daemon socket [default: $LMCTL_STORE/lmctl.sock]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output (numbers as numbers)")] = False,
+    daemon_uid: Annotated[str | None, typer.Option(
+        "--daemon-uid", envvar="LMCTL_DAEMON_UID", metavar="UID[,UID...]",
+        help="also trust a daemon run by this uid or user (the CLI refuses any other but yours and root's)")] = None,
     version: Annotated[bool, typer.Option("--version", help="print the version and exit")] = False,
 ) -> None:
     term = ctx.obj if isinstance(ctx.obj, Terminal) else Terminal()
@@ -113,6 +117,11 @@ def _main(
     if socket_path:
         term.socket = socket_path
         term.socket_given = True
+    if daemon_uid is not None:
+        try:
+            term.daemon_uids = frozenset(parse_daemon_uids(daemon_uid))
+        except ValueError as exc:
+            raise CommandError("usage", str(exc)) from None
     term.json = term.json or as_json
     ctx.obj = term
 
@@ -189,7 +198,7 @@ def serve(
     capacity: Annotated[list[str] | None, typer.Option(
         help="a tier's capacity, TIER=SIZE (or SIZE for the default tier); repeatable")] = None,
     tier_path: Annotated[list[str] | None, typer.Option(
-        help="a tier's folder, TIER=PATH (e.g. dram=/dev/shm/lmctl); repeatable")] = None,
+        help="a tier's folder, TIER=PATH (e.g. dram=/dev/shm/lmctl-UID/main, a folder of yours); repeatable")] = None,
     pin_budget: Annotated[list[str] | None, typer.Option(
         help="a tier's pin budget, TIER=FRACTION or TIER=SIZE; repeatable")] = None,
     codec: Annotated[str | None, typer.Option(help="codec for new chunks: raw, zstd or zstd-shuffle")] = None,

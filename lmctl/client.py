@@ -1,4 +1,11 @@
-"""The CLI's side of the socket: one connection, requests in order, progress streamed."""
+"""The CLI's side of the socket: one connection, requests in order, progress streamed.
+
+Before anything is sent, the client checks who is at the other end (``SO_PEERCRED``): a
+daemon of this user, of root, or of a uid the operator names (``--daemon-uid``,
+``$LMCTL_DAEMON_UID``: for a daemon run by another user that lets this one in with
+``--allow-uid``). Anyone else who bound a socket where the daemon's is expected is refused
+(``UntrustedDaemon``) and hears nothing, no cache salt, no request.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,31 @@ import itertools
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import protocol
 
 DEFAULT_STORE = "/var/lib/lmctl"
+#: the uids (or user names, comma-separated) of daemons to trust besides this user's and root's
+DAEMON_UID_ENV = "LMCTL_DAEMON_UID"
+
+
+def parse_daemon_uids(text: str) -> set[int]:
+    """``--daemon-uid`` / ``$LMCTL_DAEMON_UID``: uids or user names, comma-separated;
+    ``ValueError`` (saying which) for a name that is neither."""
+    import pwd
+
+    uids: set[int] = set()
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        if word.isdigit():
+            uids.add(int(word))
+            continue
+        try:
+            uids.add(pwd.getpwnam(word).pw_uid)
+        except KeyError:
+            raise ValueError(f"--daemon-uid {word!r} is neither a uid nor a user name of this machine") from None
+    return uids
 
 
 def default_socket() -> str:
@@ -27,6 +53,23 @@ class Unreachable(Exception):
         self.path = path
 
 
+class UntrustedDaemon(Unreachable):
+    """The socket is served by a process of a uid this client does not trust; nothing was sent."""
+
+    def __init__(self, path: str, uid: int) -> None:
+        import pwd
+
+        try:
+            who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+        except KeyError:
+            who = f"uid {uid}"
+        Exception.__init__(self, f"the socket {path} is served by {who}, which is neither you, root nor a "
+                                 f"--daemon-uid; nothing was sent. If that daemon is one to trust, pass "
+                                 f"--daemon-uid {uid} (or set {DAEMON_UID_ENV}={uid})")
+        self.path = path
+        self.uid = uid
+
+
 class RemoteError(Exception):
     """The daemon answered with an error."""
 
@@ -40,9 +83,14 @@ class _Closed(Exception):
 
 
 class Client:
-    def __init__(self, path: str, timeout: float | None = None) -> None:
+    def __init__(self, path: str, timeout: float | None = None, daemon_uids: Iterable[int] | None = None) -> None:
+        """``daemon_uids``: the uids of daemons to trust besides this user's and root's (None:
+        those ``$LMCTL_DAEMON_UID`` names)."""
         self.path = path
         self.timeout = timeout
+        if daemon_uids is None:
+            daemon_uids = parse_daemon_uids(os.environ.get(DAEMON_UID_ENV, ""))
+        self.trusted = {os.geteuid(), os.getuid(), 0, *daemon_uids}
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
 
@@ -67,6 +115,14 @@ class Client:
         except OSError as exc:
             s.close()
             raise Unreachable(self.path, exc.strerror or str(exc)) from None
+        try:  # who is listening, before a single byte (a salt) goes out
+            uid = protocol.peer_uid(s)
+        except OSError as exc:
+            s.close()
+            raise Unreachable(self.path, f"cannot tell who serves the socket: {exc.strerror or exc}") from None
+        if uid not in self.trusted:
+            s.close()
+            raise UntrustedDaemon(self.path, uid)
         self._sock = s
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,

@@ -20,7 +20,6 @@ import select
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store import Store, StoreError
-from store.private import make_private_dir
+from store.private import check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
 from .errors import Cancelled, UsageError
@@ -135,18 +134,17 @@ class NoStore(UsageError):
     """``serve`` was pointed at a folder that holds no store, without ``--init``."""
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
-
-
 def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.socket:
     """Bind the daemon's socket. A stale socket (no one listening) is replaced; a live one
     (another daemon) is never taken over; anything that is not a socket is left alone.
 
     The socket ends up with ``mode`` and group ``gid``, and is never more open than that:
-    it is born with the owner's bits only, given its group, and only then opened to it."""
+    it is born with the owner's bits only, given its group, and only then opened to it. Its
+    folder must be private (``store.private.check_folder``): no one else can put a link there
+    for the chmod to follow."""
+    folder = os.path.dirname(os.path.abspath(path))
+    # no one else's (a new one 0755: the socket's own mode keeps clients out, --allow-uid ones pass)
+    make_private_dir(folder, "socket folder", "remove it or choose another --socket", 0o755)
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode):
@@ -164,7 +162,6 @@ def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.
             raise AlreadyServing(f"another lmctl daemon is already serving on {path}")
         finally:
             probe.close()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o777 & ~(mode & 0o700))  # born with the owner's bits only: no one else connects
     try:
@@ -310,12 +307,11 @@ class Daemon:
         """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
         folder = os.path.dirname(self.socket_path)
         if _inside(folder, self.store_dir):
-            make_private_dir(self.store_dir)  # as the store makes it: 0700 whatever the umask
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        st = os.fstat(fd)
-        if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
-            os.fchmod(fd, 0o600)
+            make_private_dir(self.store_dir, "store folder")  # as the store makes it: 0700 whatever the umask
+        # a folder no one else can write in (checked at every start), and a lock file opened
+        # without following a link: never another file chmod'ed or written through it
+        make_private_dir(folder, "socket folder", "remove it or choose another --socket", 0o755)
+        fd = open_file(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, "lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -329,9 +325,10 @@ class Daemon:
         """One daemon per store, whatever its socket: a flock'ed file in the store folder that
         names the daemon holding it."""
         path = os.path.join(self.store_dir, "daemon.lock")
+        check_folder(self.store_dir, "store folder")
         writable = True
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_file(path, os.O_RDWR | os.O_CREAT, "lock file")
         except OSError as exc:
             if exc.errno != errno.EROFS:
                 raise
@@ -339,7 +336,8 @@ class Daemon:
                 log.warning("the store %s is on a read-only filesystem: serving it without its daemon lock",
                             self.store_dir)
                 return
-            fd, writable = os.open(path, os.O_RDONLY), False  # a read-only filesystem: flock it, name no holder
+            # a read-only filesystem: flock it, name no holder
+            fd, writable = open_file(path, os.O_RDONLY, "lock file", written=False), False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -363,7 +361,7 @@ class Daemon:
             if not self.init:
                 raise NoStore(f"no lmctl store at {d}; check the path, or pass --init to create a new store there")
             try:
-                os.makedirs(d, mode=0o700, exist_ok=True)
+                make_private_dir(d, "store folder")
             except OSError as exc:
                 raise StoreError(f"cannot create the store folder {d}: {exc.strerror}") from None
 
@@ -550,7 +548,7 @@ class Daemon:
         st = self.state
         with conn:
             try:
-                uid = _peer_uid(conn)
+                uid = protocol.peer_uid(conn)
             except OSError:
                 uid = -1
             if uid not in self.allow:
@@ -637,7 +635,7 @@ class Daemon:
             return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'metrics', 'status']))}")
         job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
         try:
-            set_caller(_peer_uid(conn))
+            set_caller(protocol.peer_uid(conn))
         except OSError:
             set_caller(-1)
         with st.lock:

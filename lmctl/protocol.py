@@ -27,6 +27,14 @@ MAX_FRAME = 8 << 20
 _HEADER = struct.Struct(">2sBxI")
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``:
+    set by the kernel when it connected or bound, so the peer cannot forge it)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame."""
 

@@ -25,21 +25,21 @@ from typing import Any, Literal, TextIO
 
 import typer
 
-from .client import Client, RemoteError, Unreachable, default_socket
+from .client import Client, RemoteError, Unreachable, UntrustedDaemon, default_socket
 
 
 class ExitStatus(IntEnum):
     OK = 0
     ERROR = 1  # the operation failed
     USAGE = 2  # a bad or conflicting option, a missing selector, an unknown name
-    UNREACHABLE = 3  # no daemon on the socket
+    UNREACHABLE = 3  # no daemon on the socket (or none to trust: another user's)
     INTERRUPTED = 130  # Ctrl-C: the daemon cancels the job
 
 
 #: every error code of a reply or of the CLI itself, and its exit status
 ERROR_EXIT = {"usage": ExitStatus.USAGE, "failed": ExitStatus.ERROR, "protocol": ExitStatus.ERROR,
               "denied": ExitStatus.ERROR, "cancelled": ExitStatus.ERROR, "unreachable": ExitStatus.UNREACHABLE,
-              "interrupted": ExitStatus.INTERRUPTED}
+              "untrusted": ExitStatus.UNREACHABLE, "interrupted": ExitStatus.INTERRUPTED}
 
 
 class CommandError(Exception):
@@ -68,6 +68,8 @@ def classify(exc: BaseException) -> Failure:
     """The one rule: what a command that ended with ``exc`` exits with and says."""
     from typer import _click as click  # typer's own click (typer >= 0.25 vendors it)
 
+    if isinstance(exc, UntrustedDaemon):
+        return Failure.of("untrusted", str(exc))
     if isinstance(exc, Unreachable):
         return Failure.of("unreachable", str(exc))
     if isinstance(exc, (RemoteError, CommandError)):
@@ -108,6 +110,7 @@ class Terminal:
     color: bool | None = None
     socket: str = field(default_factory=default_socket)
     socket_given: bool = False  # --socket or $LMCTL_SOCKET named it (serve then uses it)
+    daemon_uids: frozenset[int] | None = None  # --daemon-uid (None: $LMCTL_DAEMON_UID's)
     keep_open: bool = False  # the shell keeps one connection for the whole session
     client: Client | None = None
 
@@ -216,7 +219,7 @@ class Terminal:
         """One request to the daemon; ``long`` ones show a progress bar (not under --json),
         or tell ``progress`` how the job goes (a caller that shows one bar for many requests)."""
         if self.client is None:
-            self.client = Client(self.socket)
+            self.client = Client(self.socket, daemon_uids=self.daemon_uids)
         try:
             if progress is not None:
                 return self.client.call(cmd, args, progress)

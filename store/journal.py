@@ -25,6 +25,8 @@ from typing import Any
 
 import xxhash
 
+from .private import open_file
+
 _HEAD = struct.Struct("<IQ")
 #: compaction rewrites the journal once it is this large
 COMPACT_BYTES = 32 << 20
@@ -36,9 +38,8 @@ class MetaJournal:
         self._fd: int | None = None
 
     def _open(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.fchmod(self._fd, 0o600)
+        if self._fd is None:  # never through a link, never another user's file
+            self._fd = open_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "metadata journal")
         return self._fd
 
     def _current(self) -> int:
@@ -47,7 +48,7 @@ class MetaJournal:
             fd = self._open()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -75,10 +76,11 @@ class MetaJournal:
     def records(self) -> Iterator[dict[str, Any]]:
         """Every intact record, oldest first (nothing when there is no journal)."""
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            fd = open_file(self.path, os.O_RDONLY, "metadata journal", written=False)
         except FileNotFoundError:
             return
+        with open(fd, "rb") as f:
+            data = f.read()
         pos = 0
         while pos + _HEAD.size <= len(data):
             n, digest = _HEAD.unpack_from(data, pos)
@@ -105,9 +107,12 @@ class MetaJournal:
         fd = self._current()
         try:
             tmp = self.path + ".new"
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:  # one a compaction killed midway left: made anew, never written through
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            out = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "metadata journal")
             try:
-                os.fchmod(out, 0o600)
                 for rec in snapshot():
                     os.write(out, rec)
                 os.fsync(out)

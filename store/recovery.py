@@ -46,14 +46,13 @@ from .index import (
 from .keys import KEY_BYTES, short_key
 from .namespaces import Namespaces
 from .pins import Pins
-from .segment import ALIGN, CorruptRecord, SegmentGone, segment_name
+from .private import TIER_MARKER, UnsafePath, marked_id, read_marker, write_marker
+from .segment import ALIGN, CorruptRecord, ForeignSegment, SegmentGone, segment_name
 from .space import Space, TierState
 from .types import Problem
 
 log = logging.getLogger("lmctl.store")
 
-#: the file that marks a folder as really a tier's (see ``Recovery.mark_tiers``)
-TIER_MARKER = ".lmctl-tier"
 #: entries per progress report of a pass over the index
 PROGRESS_EVERY = 4096
 #: entries decoded at once by a pass over the index
@@ -65,36 +64,53 @@ DEEP_PAGE = 512
 class Recovery:
     """Seals, forgets, removes, checks, recounts and rebuilds."""
 
-    def __init__(self, index: Index, space: Space, path: str, lock: threading.RLock) -> None:
+    def __init__(self, index: Index, space: Space, path: str, lock: threading.RLock,
+                 store_id: str | None = None) -> None:
         self.index = index
         self.space = space
         self.tiers = space.tiers
         self.path = path
         self.lock = lock
+        #: this store's id (None: a store of an earlier version, opened read-only)
+        self.store_id = store_id
         #: the machine rebooted since the store was last opened for writing (its tmpfs is new)
         self.rebooted = False
 
     # -- tier folders --------------------------------------------------------------------
     def mark_tiers(self, segs: list[tuple[int, SegmentRecord]]) -> None:
-        """Put a marker file in each tier folder that is really the tier's: a new tier, or one
-        where at least one registered segment file is. A folder without it (an unmounted
-        disk's empty mount point, a moved folder) is never taken for lost segments."""
+        """Put a marker file naming this store in each tier folder that is really the tier's:
+        a new tier, or one where at least one registered segment file is. A folder without it
+        (an unmounted disk's empty mount point, a moved folder) is never taken for lost
+        segments. A folder whose marker names another store, or that holds segment files
+        but no marker (this store did not make them), is refused (``UnsafePath``): nothing in
+        it is indexed, cut or removed."""
         for st in self.tiers.values():
             marker = os.path.join(st.io.dir, TIER_MARKER)
-            if os.path.exists(marker):
+            text = self.check_marker(st)
+            if text is not None:
+                if marked_id(text) is None and self.store_id is not None:  # an earlier version's
+                    write_marker(marker, self._marker_text(st))
                 continue
             mine = [sid for sid, s in segs if s.tier == st.tid]
             if mine and not any(os.path.exists(st.io.path(sid)) for sid in mine):
                 continue
-            try:
-                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.fchmod(fd, 0o600)
-                    os.write(fd, f"lmctl tier {st.name} of the store at {self.path}\n".encode())
-                finally:
-                    os.close(fd)
-            except FileExistsError:
-                pass
+            if not mine and st.io.segment_ids() and self.check_marker(st) is None:  # (made meanwhile?)
+                raise UnsafePath(f"{st.io.what} {st.io.dir} holds segment files but no marker of this store: "
+                                 "this store did not make them; move them away or choose an empty folder")
+            write_marker(marker, self._marker_text(st))
+
+    def _marker_text(self, st: TierState) -> str:
+        return f"lmctl tier {st.name} of store {self.store_id} at {self.path}\n"
+
+    def check_marker(self, st: TierState) -> bytes | None:
+        """The marker of ``st``'s folder (None: it has none); ``UnsafePath`` if it names another
+        store."""
+        text = read_marker(os.path.join(st.io.dir, TIER_MARKER))
+        owner = marked_id(text)
+        if owner is not None and self.store_id is not None and owner != self.store_id:
+            raise UnsafePath(f"{st.io.what} {st.io.dir} belongs to another store ({owner}, says its "
+                             f"{TIER_MARKER}); give this store's {st.name} tier a folder of its own")
+        return text
 
     def absent_tiers(self) -> set[str]:
         """Tiers whose folder is not the tier's (no marker): an unmounted disk or a moved
@@ -169,8 +185,14 @@ class Recovery:
             if st is None or st.name in absent or s.state != SEG_OPEN or sid == st.open_seg:
                 continue
             try:
-                fd = os.open(st.io.path(sid), os.O_RDWR)
+                # the file this store made, not a link, FIFO or file swapped in after the crash
+                fd = st.io.open_own(sid, os.O_RDWR, headless=True)
             except FileNotFoundError:
+                fd = -1
+            except ForeignSegment as exc:
+                log.error("segment %d of tier %s: %s; its chunks are dropped, the file is left alone", sid,
+                          st.name, exc)
+                problems.append(Problem("foreign-file", f"{exc}; left alone"))
                 fd = -1
             if fd >= 0:
                 try:
@@ -232,13 +254,18 @@ class Recovery:
           could unlink the file.
 
         Any other file that holds records (one this index never issued, as after the index
-        was lost) is never deleted here: it is reported, and ``rebuild_index`` can take it back."""
+        was lost) is never deleted here: it is reported, and ``rebuild_index`` can take it back.
+        A file that is not this store's segment (a link, a FIFO, another user's file, another
+        store's segment) is reported and never opened for more than a check, nor removed."""
         problems: list[Problem] = []
         for st, sid in self.unknown_files():
             p = Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
             try:
-                fd = os.open(st.io.path(sid), os.O_RDONLY)
+                fd = st.io.open_own(sid, headless=True)
             except FileNotFoundError:
+                continue
+            except ForeignSegment as exc:  # never this store's to remove
+                problems.append(Problem("foreign-file", f"{exc}; left alone"))
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -258,6 +285,18 @@ class Recovery:
                 os.close(fd)
             problems.append(p)
         return problems
+
+    @staticmethod
+    def _unknown(st: TierState, sid: int) -> Problem:
+        """What a file the index does not know is: an orphan of this store's, or not a segment
+        of this store at all (opened only to tell)."""
+        try:
+            os.close(st.io.open_own(sid, headless=True))
+        except ForeignSegment as exc:
+            return Problem("foreign-file", f"{exc}; left alone")
+        except FileNotFoundError:
+            pass
+        return Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
 
     def unknown_files(self) -> list[tuple[TierState, int]]:
         """Segment files on disk that the index does not know (this process's open one aside)."""
@@ -319,8 +358,7 @@ class Recovery:
         if fix:
             problems.extend(self.remove_orphan_files())
         else:
-            problems.extend(Problem("orphan-file", f"{segment_name(sid)} in tier {st.name} is not in the index")
-                            for st, sid in self.unknown_files())
+            problems.extend(self._unknown(st, sid) for st, sid in self.unknown_files())
         problems.extend(self.recount(True) if fix else counted or [])
         return problems
 
@@ -630,9 +668,21 @@ class Recovery:
             for sid in st.io.segment_ids():
                 if sid == st.open_seg:
                     continue
-                size = os.path.getsize(st.io.path(sid))
-                recs = [(off, tr) for off, tr in st.io.scan(sid, size)
-                        if tr is not None and st.io.verify_payload(sid, off, tr)]
+                try:  # only this store's own segments (a planted file is never indexed)
+                    fd = st.io.open_own(sid)
+                except (FileNotFoundError, ForeignSegment) as exc:
+                    log.warning("rebuild: %s in tier %s is not taken: %s", segment_name(sid), st.name, exc)
+                    continue
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                try:
+                    recs = [(off, tr) for off, tr in st.io.scan(sid, size)
+                            if tr is not None and st.io.verify_payload(sid, off, tr)]
+                except (FileNotFoundError, ForeignSegment) as exc:  # swapped meanwhile
+                    log.warning("rebuild: %s in tier %s is not taken: %s", segment_name(sid), st.name, exc)
+                    continue
 
                 def fn(t: Txn, st: TierState = st, sid: int = sid, size: int = size,
                        recs: list[Any] = recs) -> int:
@@ -666,6 +716,10 @@ class Recovery:
             for st in self.tiers.values():
                 for sid in st.io.segment_ids():
                     if sid in dropped:
+                        try:  # this store's own file only
+                            os.close(st.io.open_own(sid, headless=True))
+                        except (FileNotFoundError, ForeignSegment):
+                            continue
                         os.unlink(st.io.path(sid))
         found = self.rebuild_index() if any(st.io.segment_ids() for st in self.tiers.values()) else 0
         if dropped:

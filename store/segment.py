@@ -38,6 +38,7 @@ import fcntl
 import json
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -52,7 +53,7 @@ import xxhash
 
 from .codec import max_encoded
 from .errors import StoreError
-from .private import FILE_MODE, make_private_dir
+from .private import FILE_MODE, SAFE_OPEN, UnsafePath, check_folder, file_problem, make_private_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -67,7 +68,9 @@ SEG_MAGIC = b"LMCTLSEG"
 REC_VERSION = 1
 SEG_VERSION = 1
 _REC = struct.Struct("<8sHBBHHQQQdI12x")
-_SEGMENT_HEADER = struct.Struct("<8sHQd")
+#: magic, version, segment id, created, the id of the store that made it (zeros: written
+#: before store ids; its first 4 KiB is the header, the rest zeros)
+_SEGMENT_HEADER = struct.Struct("<8sHQd16s")
 REC_FIXED = _REC.size  # 64
 #: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB): a length
 #: claimed past it, by an index entry or a trailer, is damage
@@ -198,12 +201,13 @@ def supports_direct_io(directory: str) -> bool:
     """Whether files in ``directory`` accept O_DIRECT (tmpfs, for one, does not)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    probe = os.path.join(directory, f".odirect-probe-{secrets.token_hex(8)}")
+    try:  # a new file of its own (never one planted under that name), then O_DIRECT asked for
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return False
     try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         buf = mmap.mmap(-1, ALIGN)
         os.pwrite(fd, buf, 0)
         return True
@@ -218,12 +222,18 @@ class SegmentIO:
     """Reads and writes records in the segment files of one tier directory."""
 
     def __init__(self, directory: str, direct: bool | None = None, fd_cache: int = 64,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, *, what: str = "tier folder", store_id: str | None = None) -> None:
         self.dir = directory
+        #: how messages name the folder ("dram folder")
+        self.what = what
+        #: the id of the store whose segments these are (written into each new segment's
+        #: header; None: a store of an earlier version opened read-only)
+        self.store_id = store_id
         if readonly:  # reads only: nothing is created, and buffered reads need no probe file
+            check_folder(directory, what)
             self.direct = False if direct is None else direct
         else:
-            make_private_dir(directory)  # 0700 whatever the umask
+            make_private_dir(directory, what)  # 0700 whatever the umask; refused unless private
             self.direct = supports_direct_io(directory) if direct is None else direct
         self.pool = AlignedPool()
         #: pieces of one transfer in flight at once (and I/O threads of this tier)
@@ -247,13 +257,16 @@ class SegmentIO:
     def create(self, seg_id: int) -> int:
         """Create segment ``seg_id`` and return its fd, locked exclusively by this process."""
         path = self.path(seg_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self._flags(), FILE_MODE)
+        check_folder(self.dir, self.what)  # still private: a tmpfs folder may have been made anew
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | self._flags(),
+                     FILE_MODE)
         buf = self.pool.take(ALIGN)
         try:
             os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             buf[:ALIGN] = b"\0" * ALIGN
-            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time())
+            sid = bytes.fromhex(self.store_id) if self.store_id else bytes(16)
+            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time(), sid)
             if os.pwrite(fd, memoryview(buf)[:ALIGN], 0) != ALIGN:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
         except BaseException:
@@ -307,7 +320,7 @@ class SegmentIO:
                     views = [piece, memoryview(bytes(m - len(piece)))]
                 else:  # O_DIRECT from an unaligned source: through a ring of aligned buffers
                     slot = i % self.depth
-                    if slot >= len(staging):
+                    while len(staging) <= slot:  # the ring fills lazily: earlier pieces may have gone zero-copy
                         staging.append(self.pool.take(min(PIECE, max(body, ALIGN))))
                         pw.buffers.append(staging[-1])
                     prev = inflight[slot]
@@ -334,6 +347,53 @@ class SegmentIO:
     def sync(self, fd: int) -> None:
         os.fdatasync(fd)
 
+    # -- opening what is on disk ---------------------------------------------------
+    def open_checked(self, seg_id: int, flags: int, written: bool = True) -> int:
+        """Open segment ``seg_id``'s file without following a link or blocking on a FIFO,
+        and check it is a regular file the store may trust (``store.private.file_problem``);
+        ``ForeignSegment`` if not, ``FileNotFoundError`` if there is none."""
+        path = self.path(seg_id)
+        direct = flags & getattr(os, "O_DIRECT", 0)
+        try:  # O_DIRECT only once it is known to be a file (a FIFO refuses it with EINVAL)
+            fd = os.open(path, (flags & ~direct) | SAFE_OPEN)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ForeignSegment(f"{path} is a symbolic link, not a segment of this store") from None
+            raise
+        try:
+            problem = file_problem(os.fstat(fd), written)
+            if problem is not None:
+                raise ForeignSegment(f"{path} {problem}: not a segment of this store")
+            os.set_blocking(fd, True)
+            if direct:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | direct)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def open_own(self, seg_id: int, flags: int = os.O_RDONLY, headless: bool = False) -> int:
+        """``open_checked``, and the segment's header says it is segment ``seg_id`` of this
+        store (or of no store: written before store ids): the file recovery may cut, and
+        rebuild may index. ``ForeignSegment`` otherwise. ``headless``: a file of this store's
+        user with no header yet (its writer was killed as it made it) passes too."""
+        fd = self.open_checked(seg_id, flags, written=flags & os.O_ACCMODE != os.O_RDONLY)
+        try:
+            head = os.pread(fd, _SEGMENT_HEADER.size, 0)
+            if len(head) < _SEGMENT_HEADER.size or not any(head[: len(SEG_MAGIC)]):
+                if headless:
+                    return fd
+                raise ForeignSegment(f"{self.path(seg_id)} has no segment header")
+            magic, _version, sid, _created, store = _SEGMENT_HEADER.unpack(head)
+            if magic != SEG_MAGIC or sid != seg_id:
+                raise ForeignSegment(f"{self.path(seg_id)}'s header is not that of segment {seg_id}")
+            if self.store_id is not None and store != bytes(16) and store.hex() != self.store_id:
+                raise ForeignSegment(f"{self.path(seg_id)} is a segment of another store ({store.hex()})")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     # -- reading -----------------------------------------------------------------
     def _fd(self, seg_id: int) -> int:
         with self._lock:
@@ -341,7 +401,7 @@ class SegmentIO:
             if fd is not None:
                 self._fds.move_to_end(seg_id)
                 return fd
-        fd = os.open(self.path(seg_id), os.O_RDONLY | self._flags())
+        fd = self.open_checked(seg_id, os.O_RDONLY | self._flags(), written=False)
         with self._lock:
             old = self._fds.get(seg_id)
             if old is not None:
@@ -391,6 +451,8 @@ class SegmentIO:
             fd = self._fd(seg_id)
         except FileNotFoundError:
             raise SegmentGone(seg_id) from None
+        except ForeignSegment as exc:  # a file planted or swapped in under its name: a miss
+            raise CorruptRecord(str(exc)) from None
         body = align_up(stored_len)
         direct_dst = dst is not None and self.direct and is_aligned(dst)
         spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
@@ -451,10 +513,10 @@ class SegmentIO:
 
         Trailers sit at 4 KiB boundaries after their payload, so the scan reads the
         segment sequentially and tests each boundary; garbage between records (a torn
-        append) is skipped. The caller verifies payload checksums.
+        append) is skipped. The caller verifies payload checksums. Only a file of this store
+        is read (``open_own``; ``ForeignSegment`` otherwise).
         """
-        path = self.path(seg_id)
-        with open(path, "rb", buffering=0) as f:
+        with open(self.open_own(seg_id), "rb", buffering=0) as f:
             end = os.fstat(f.fileno()).st_size if size is None else min(size, os.fstat(f.fileno()).st_size)
             start = ALIGN  # after the segment header
             pos = ALIGN
@@ -527,6 +589,11 @@ class PendingWrite:
 
 class CorruptRecord(StoreError):
     """A record failed its trailer, length or checksum check."""
+
+
+class ForeignSegment(UnsafePath):
+    """A file under a segment's name that is not this store's segment: a link, a FIFO,
+    another user's file, or another store's segment. Never read, cut, indexed or removed."""
 
 
 class SegmentGone(StoreError):

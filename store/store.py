@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import Codec, codec_id
 from .compaction import Compactor
-from .config import TIER_IDS, TIER_ORDER, StoreConfig
+from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
 from .errors import ReadOnlyError, StoreError, is_read_only
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
@@ -46,7 +46,19 @@ from .keys import Namespace, NamespaceRecord, prefix_ids
 from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
-from .private import make_private_dir, tighten
+from .private import (
+    STORE_MARKER,
+    UnsafePath,
+    check_file,
+    check_folder,
+    make_private_dir,
+    marked_id,
+    new_store_id,
+    open_file,
+    read_marker,
+    tighten,
+    write_marker,
+)
 from .reads import Reads
 from .recovery import Recovery
 from .segment import SegmentIO
@@ -123,15 +135,22 @@ class Store:
         self.refused_saves = 0
         self._lock = threading.RLock()
         self._closed = False
-        if readonly and not os.path.isdir(os.path.join(self.path, "index")):
-            raise StoreError(f"no store at {self.path}; create it first (open it without readonly)")
-        if not readonly:
+        index = os.path.join(self.path, "index")
+        # only a folder no one else can change is used: each component checked, at every open
+        if readonly:
+            check_folder(self.path, "store folder")
+            if not check_folder(index, "index folder"):
+                raise StoreError(f"no store at {self.path}; create it first (open it without readonly)")
+        else:
             # private whatever the umask: the folder 0700, its files 0600 (SPEC section 2)
-            make_private_dir(self.path)
-            make_private_dir(os.path.join(self.path, "index"))
+            make_private_dir(self.path, "store folder")
+            make_private_dir(index, "index folder")
+        for name in ("data.mdb", "lock.mdb"):  # LMDB opens them itself: checked first
+            check_file(os.path.join(index, name), "index file", written=not readonly)
+        check_file(os.path.join(self.path, "meta.journal"), "metadata journal", written=not readonly)
         self._tiers: dict[str, TierState] = {}
         self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
-        self._index = Index(os.path.join(self.path, "index"), readonly, self._remove_files)
+        self._index = Index(index, readonly, self._remove_files)
         try:
             self._open(config)
         except BaseException:
@@ -151,7 +170,11 @@ class Store:
         # an index that is new while a journal exists: the index was lost; its settings,
         # salt key, namespaces and pins come back from the journal, its chunks from the segments
         restore = None
-        if self._journal is not None and self._index_is_new() and self._journal.size():
+        fresh = self._index_is_new()
+        #: this store's id (in the index and in marker files; None: an earlier version's store
+        #: opened read-only): a folder or segment that names another store is never used
+        self.store_id = self._identify(fresh)
+        if self._journal is not None and fresh and self._journal.size():
             restore = replay(self._journal.records())
             if config is None and restore["config"]:
                 config = StoreConfig.from_json(restore["config"])
@@ -177,7 +200,7 @@ class Store:
         self._pins = Pins(self._index, self._tiers, cfg, self._journal_add)
         self._compactor = Compactor(self._index, self._space, cfg, self._lock)
         self._evictor = Evictor(self._index, self._space, self._compactor, self._ns, cfg, self._lock)
-        self._recovery = Recovery(self._index, self._space, self.path, self._lock)
+        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id)
         # the access log has a lock of its own: a hit never waits for a write holding the store's
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
                             threading.RLock())
@@ -205,6 +228,41 @@ class Store:
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+        else:
+            for st in self._tiers.values():
+                self._recovery.check_marker(st)
+
+    def _identify(self, fresh: bool) -> str | None:
+        """This store's id: the index's and the store folder's marker's, which must agree (an
+        index that names another store, or none while the folder names one, was moved in:
+        refused before it could take this store's files for its own). A new store gets a
+        random id; a lost index gets the folder's back."""
+        marker = os.path.join(self.path, STORE_MARKER)
+        folder_id = marked_id(read_marker(marker))
+        meta = self._index.meta
+        with self._index.read() as t:
+            raw = t.raw.get(b"store_id", db=meta)
+        index_id = bytes(raw).decode() if raw is not None else None
+        if folder_id is not None and index_id != folder_id and (index_id is not None or not fresh):
+            index = os.path.join(self.path, "index")
+            raise UnsafePath(f"the index {index} is not this store's (it names store {index_id or 'none'}, the "
+                             f"folder is store {folder_id}): it was moved or copied in from elsewhere; put it back, "
+                             f"or move {index} aside so that the next open rebuilds this store's own index")
+        if self.readonly or index_id is not None and folder_id is not None:
+            return index_id or folder_id
+
+        def claim(t: Txn) -> str:  # in one transaction: engines of one new store start at once
+            raw = t.raw.get(b"store_id", db=meta)
+            if raw is not None:
+                return bytes(raw).decode()
+            made = folder_id or new_store_id()
+            t.raw.put(b"store_id", made.encode(), db=meta)
+            return made
+
+        sid = self._index.write(claim)
+        if folder_id is None:  # written after the index has it: a reader of the marker finds it there
+            write_marker(marker, f"lmctl store {sid}: this folder and its tier folders belong to it\n")
+        return sid
 
     # -- the remote tier -------------------------------------------------------------------
     @property
@@ -359,10 +417,11 @@ class Store:
 
         return self._index.write(fn)
 
-    def _add_tier(self, name: str) -> None:
-        cfg = self.config.tiers[name]
+    def _add_tier(self, name: str, cfg: TierConfig | None = None) -> None:
+        cfg = cfg or self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
-        self._tiers[name] = TierState(name, TIER_IDS[name], cfg, SegmentIO(d, readonly=self.readonly))
+        io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id)
+        self._tiers[name] = TierState(name, TIER_IDS[name], cfg, io)
 
     def _load_config(self, config: StoreConfig | None) -> StoreConfig:
         """The stored settings; ``config`` (or the defaults, for a new index) are written
@@ -409,17 +468,22 @@ class Store:
                                  "stop every process that uses the store and move the folder first")
         old_events_max = self.config.event_log_max
         with self._lock:
+            # a new tier's folder first: checked and marked (or refused) before anything changes
+            added = [name for name in TIER_ORDER if name in config.tiers and name not in self._tiers]
+            try:
+                for name in added:
+                    self._add_tier(name, config.tiers[name])
+                if added:  # a new tier's folder is the tier's: mark it, or checks take it for a lost disk
+                    self._recovery.mark_tiers(self._recovery.segments())
+            except BaseException:
+                for name in added:
+                    if name in self._tiers:
+                        self._tiers.pop(name).io.close()
+                raise
             self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
-            added = False
-            for name in TIER_ORDER:
-                if name in config.tiers and name not in self._tiers:
-                    self._add_tier(name)
-                    added = True
-            if added:  # a new tier's folder is the tier's: mark it, or checks take it for a lost disk
-                self._recovery.mark_tiers(self._recovery.segments())
             for name, st in self._tiers.items():
                 st.cfg = config.tiers[name]
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
@@ -728,8 +792,8 @@ class Store:
         if self.readonly:
             return False
         try:
-            fd = os.open(os.path.join(self.path, "meta.journal"),
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_file(os.path.join(self.path, "meta.journal"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                           "metadata journal")
         except OSError as exc:
             if not is_read_only(exc):
                 return True  # another trouble: the next write reports it

@@ -21,6 +21,11 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   promptly on SIGTERM.
 * concurrent: clients (lookup, ls, inspect, pin, unpin, compress) with a writer process and
   the daemon's maintenance running, ending with verify --deep.
+* hostile-folders: a second local user plants FIFOs, links to a root-only file and a forged
+  segment in a tier folder left open to her, and swaps segments (the open one too) while a
+  writer runs and is killed (root only: skipped with a message elsewhere); an open is refused
+  while the folder is open to her, and once it is private again no open hangs, every read is
+  exact or a miss, her chunk is never served and the root-only file is unchanged.
 * eio: a FUSE passthrough under the nvme tier fails the reads of random chunks with EIO;
   every read returns the exact bytes or a miss, never an exception; each unreadable chunk
   is dropped and counted (io-error); verify --deep lists them all and --fix drops them all
@@ -473,6 +478,7 @@ def main() -> int:
         ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
+        ("hostile-folders", lambda w: topic("hostile_folders")(w, 2 if q else 20)),
         ("eio", lambda w: topic("eio")(w, 2 if q else 40)),
         ("readonly", lambda w: topic("readonly")(w, 1 if q else 6)),
         ("full-shm", lambda w: topic("full_shm")(w, 1 if q else 10)),

@@ -688,3 +688,43 @@ def test_a_tier_added_while_the_store_is_open_is_marked_as_the_tiers(tmp_path: P
     with Store(tmp_path / "s") as s:
         assert s.locate([key(1)]) == ["dram"]
         assert [p for p in s.check() if not p.fixed] == []
+
+
+def test_compaction_moves_records_over_a_write_piece_of_unaligned_length(make_store: MakeStore) -> None:
+    """A record longer than one 8 MiB write piece whose length is not a multiple of 4 KiB
+    (every zstd-compressed chunk of a 7B+ model) goes out zero-copy piece by piece with its
+    partial last piece staged: compaction moved such records with an IndexError (the staging
+    ring was indexed before it was filled), so maintenance failed for good."""
+    import mmap
+
+    from store.segment import PIECE
+
+    store = make_store(segment_bytes=20 * MiB)  # two records a segment
+    n = PIECE + MiB + 123
+    src = mmap.mmap(-1, n + 4096)  # page-aligned: the direct path writes it without a copy
+    keys = [key(i) for i in range(6)]
+    for k in keys:
+        src[:n] = content(k, n)
+        assert store.put(k, memoryview(src)[:n], SMALL_LAYOUT, tokens=16)
+    # compressed chunks: stored lengths are never aligned, and compaction reads them into
+    # page-aligned buffers before writing them out again
+    import hashlib
+
+    def noise(k: bytes) -> bytes:  # does not compress: stays over a write piece
+        return hashlib.shake_256(k).digest(n)
+
+    zkeys = [key(100 + i) for i in range(6)]
+    for k in zkeys:
+        assert store.put(k, noise(k), SMALL_LAYOUT, tokens=16, codec="zstd-shuffle")
+        info = store.info(k)
+        assert info is not None and info.stored_bytes > PIECE and info.stored_bytes % 4096
+    store.evict(keys[::2] + zkeys[::2])
+    removed, reclaimed = store.compact(min_dead_ratio=0.3)
+    assert removed >= 2 and reclaimed > 0
+    for k in keys[1::2]:
+        c = store.get(k)
+        assert c is not None and bytes(c.data) == content(k, n)
+    for k in zkeys[1::2]:
+        c = store.get(k)
+        assert c is not None and c.codec == "zstd-shuffle" and bytes(c.data) == noise(k)
+    assert store.check(deep=True) == []
