@@ -19,6 +19,7 @@ chunks are shared with vLLM engines that use the same model id and format.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from .fingerprint import ModelFingerprint
 from .identity import AdapterCache
 from .namespaces import NamespaceBook
 from .transfer import ChunkWriter, StagingPool, chunk_layout, chunk_tensor
+
+log = logging.getLogger("lmctl.engine_hook")
 
 
 @dataclass
@@ -123,7 +126,8 @@ class KVCacheClient:
     def load(self, tokens: Sequence[int], adapter: AdapterIdentity | None = None,
              cache_salt: str | None = None, max_tokens: int | None = None) -> LoadedPrefix:
         """The longest cached prefix of ``tokens`` (whole chunks), read and verified.
-        A chunk that fails its checksum ends the prefix there."""
+        A chunk that fails its checks (checksum, length, a disk error) ends the prefix there;
+        nothing raises."""
         fmt = self.kv_format
         ns = self.namespace(adapter, cache_salt)
         res = self.store.lookup(ns, tokens)
@@ -138,7 +142,12 @@ class KVCacheClient:
         got = 0
         try:
             for i in range(n):
-                if self.store.get_into(res.keys[i], buf.numpy().data) is None:
+                try:
+                    info = self.store.get_into(res.keys[i], buf.numpy().data, expect=fmt.chunk_bytes)
+                except Exception:  # the engine recomputes from here; it never sees the store's trouble
+                    log.warning("lmctl: loading chunk %s failed", res.keys[i].hex()[:16], exc_info=True)
+                    break
+                if info is None or info.raw_bytes != fmt.chunk_bytes:
                     break
                 out[:, :, i * cs : (i + 1) * cs].copy_(chunk_tensor(buf, fmt))
                 got += 1

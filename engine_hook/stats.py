@@ -63,11 +63,13 @@ METRICS: tuple[Metric, ...] = (
            "in the engine's blocks (or its failure)."),
     Metric("failed_loads", "counter",
            "Requests whose load stopped at a chunk that could not be loaded: missing (gone from the store, "
-           "or failed its checksum) or error (a read or copy raised). vLLM recomputes from that chunk.",
-           "reason", ("missing", "error")),
+           "or failed its checks: checksum, length, a disk error), bad_length (the store returned a chunk "
+           "of another size than the KV format's) or error (a read or copy raised). vLLM recomputes from "
+           "that chunk.",
+           "reason", ("missing", "bad_length", "error")),
     Metric("failed_load_chunks", "counter",
            "Chunks that vLLM recomputes because a load failed: the failed chunk and every later one of "
-           "the request.", "reason", ("missing", "error")),
+           "the request.", "reason", ("missing", "bad_length", "error")),
     Metric("saved_chunks", "counter", "Chunks the lmctl connector wrote to the store."),
     Metric("saved_bytes", "counter", "Bytes of KV (uncompressed) the lmctl connector wrote to the store."),
     Metric("save_seconds", "histogram",
@@ -79,8 +81,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("dropped_saves", "counter",
            "Chunks not saved, by reason: queue_full (every staging buffer waited for the writer), "
            "store_full (the store refused it: the tier is full of pinned chunks or too small), "
+           "read_only (the store's filesystem is read-only), "
            "error (copying it out of the engine or writing it raised).",
-           "reason", ("queue_full", "store_full", "error")),
+           "reason", ("queue_full", "store_full", "read_only", "error")),
     Metric("lookups", "counter", "Requests the lmctl connector looked up in the store."),
     Metric("policy_recomputed_tokens", "counter",
            "Stored prompt tokens that the load policy chose to recompute, predicting that loading them "

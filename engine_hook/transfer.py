@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from store import DiskFullError, KVFormat, PutItem, Store, StoreError
+from store import DiskFullError, KVFormat, PutItem, ReadOnlyError, Store, StoreError
 from store.segment import ALIGN
 from store.tensors import to_dtype
 
@@ -83,6 +83,7 @@ class WriterStats:
     already_stored: int = 0
     dropped: int = 0
     rejected_full: int = 0  # the store refused it (the tier is full of pinned chunks, or too small)
+    read_only: int = 0  # the store refused it: its filesystem is read-only
     failed: int = 0
     bytes: int = 0
     busy_s: float = 0.0
@@ -221,6 +222,13 @@ class ChunkWriter:
             try:
                 items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens, prefix=j.prefix) for j in jobs]
                 results = self.store.put_many(items)
+            except ReadOnlyError as exc:  # the disk went read-only: hits go on, saves are counted
+                if not self.stats.read_only:
+                    log.warning("lmctl: saves are refused from now on: %s", exc)
+                results = [False] * len(jobs)
+                self.stats.read_only += len(jobs)
+                self._record({"dropped_saves": len(jobs)}, "read_only")
+                self._note_drops([(j.key, "read-only") for j in jobs])
             except Exception as exc:  # never let a disk problem reach the engine
                 log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc, exc_info=True)
                 results = [False] * len(jobs)

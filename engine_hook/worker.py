@@ -111,9 +111,15 @@ class LMCtlConnectorWorker:
             stream = self._stream()
             for key, blocks in zip(op.keys, op.blocks, strict=True):
                 t = time.perf_counter()
-                info = self.store.get_into(key, buf.numpy().data)
+                info = self.store.get_into(key, buf.numpy().data, expect=fmt.chunk_bytes)
                 if info is None:
-                    break  # missing, or failed its checksum (the store dropped and counted it)
+                    break  # missing, or failed its checks (the store dropped and counted it)
+                if info.raw_bytes != fmt.chunk_bytes:
+                    # the rest of the buffer would still hold the previous chunk's KV
+                    why = "bad_length"
+                    log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
+                                op.req_id, key.hex()[:16], info.raw_bytes, fmt.chunk_bytes)
+                    break
                 if stream is None:
                     self._paged.scatter(chunk, blocks)
                 else:  # on a side stream, so the engine's own stream never waits for it

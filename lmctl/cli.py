@@ -263,6 +263,10 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
     c = term.console()
     c.print(f"lmctl {d['version']} serving [bold]{r['store']['path']}[/bold] on {d['socket']} "
             f"(pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
+    if r["store"].get("readonly"):
+        c.print(f"[bold red]read-only[/bold red]: {r['store']['readonly_reason']}; hits are served, saves refused "
+                f"({r['store'].get('refused_saves', 0)} refused by the daemon; engines count theirs as "
+                "dropped saves, reason read_only)", soft_wrap=True)
     _tiers(term, r["store"]["tiers"])
     k = r["store"]["counters"]
     c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "

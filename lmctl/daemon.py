@@ -326,7 +326,18 @@ class Daemon:
         names the daemon holding it."""
         path = os.path.join(self.store_dir, "daemon.lock")
         check_folder(self.store_dir, "store folder")
-        fd = open_file(path, os.O_RDWR | os.O_CREAT, "lock file")
+        writable = True
+        try:
+            fd = open_file(path, os.O_RDWR | os.O_CREAT, "lock file")
+        except OSError as exc:
+            if exc.errno != errno.EROFS:
+                raise
+            if not os.path.exists(path):  # a read-only store: daemons that cannot write cannot clash
+                log.warning("the store %s is on a read-only filesystem: serving it without its daemon lock",
+                            self.store_dir)
+                return
+            # a read-only filesystem: flock it, name no holder
+            fd, writable = open_file(path, os.O_RDONLY, "lock file", written=False), False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -336,8 +347,9 @@ class Daemon:
                 raise AlreadyServing(f"another lmctl daemon already serves the store {self.store_dir}"
                                      + (f" ({holder})" if holder else "") + "; one daemon per store") from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {self.socket_path}\n".encode(), 0)
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {self.socket_path}\n".encode(), 0)
         self._store_lockfd = fd
 
     def _check_store(self) -> None:
@@ -357,10 +369,13 @@ class Daemon:
         d = self.store_dir
         self._take_store_lock()
         try:
-            store = Store(d)
+            store = Store(d, fallback_readonly=True)  # a read-only disk: serve it read-only, do not exit
         except OSError as exc:
             raise StoreError(f"cannot open the store at {d}: {exc.strerror or exc}") from None
-        if self.settings:
+        if self.settings and store.readonly:
+            log.warning("store %s is read-only (%s): the settings given (%s) are not applied", d,
+                        store.readonly_reason, ", ".join(sorted(self.settings)))
+        elif self.settings:
             from .settings import apply_settings
 
             default = store.config.default_tier  # "--capacity SIZE" means the default tier's
@@ -395,6 +410,10 @@ class Daemon:
         try:
             self._take_lock()
         except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise StoreError(f"the socket's folder {os.path.dirname(self.socket_path)} is on a read-only "
+                                 "filesystem; to serve the store read-only, give --socket a path on a writable one "
+                                 "(e.g. /run/lmctl/lmctl.sock)") from None
             raise StoreError(f"cannot use the socket folder for {self.socket_path}: {exc.strerror}") from None
         try:
             self._check_access()  # now that the socket's folder exists
@@ -682,7 +701,9 @@ class Daemon:
                        "uptime_s": round(time.time() - st.started, 3), "socket": st.socket_path,
                        "clients": self._clients(), "requests": st.requests, "errors": st.errors,
                        "maintenance": st.maintenance},
-            "store": {"path": st.store.path, "tiers": stats.to_dict()["tiers"], "counters": stats.counters,
+            "store": {"path": st.store.path, "readonly": st.store.readonly, "readonly_reason": st.store.readonly_reason,
+                      "refused_saves": st.store.refused_saves, "tiers": stats.to_dict()["tiers"],
+                      "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
                       "codec": st.store.config.codec, "remote": stats.remote},
             "jobs": jobs,

@@ -48,6 +48,10 @@ CELLS: dict[str, str] = {
     "saves_total": "Chunks stored by put_many (engine saves, warm), per tier written to.",
     "save_bytes_total": "Bytes of chunks stored (decoded size), per tier.",
     "save_seconds": "Seconds of one put_many batch, per tier.",
+    "saves_spilled_total": "Chunks saved to the next local tier because the default tier's disk was full or "
+                           "read-only, by tier (from, to).",
+    "read_failures_total": "Chunk reads that failed their checks, a miss each, by reason (bad-length, bad-record, "
+                           "io-error, read-error) and tier.",
     "remote_calls_total": "Calls to the remote tier's server.",
     "remote_errors_total": "Remote calls that failed, by kind (timeout, oom, other).",
     "remote_short_circuited_total": "Remote calls answered without the network (breaker open, puts paused).",

@@ -4,7 +4,7 @@ The public API is re-exported here; see docs/architecture.md.
 """
 
 from .config import GiB, MiB, StoreConfig, TierConfig
-from .errors import CorruptEntry, DiskFullError, IndexWriteError, PinBudgetError, StoreError
+from .errors import CorruptEntry, DiskFullError, IndexWriteError, PinBudgetError, ReadOnlyError, StoreError
 from .keys import (
     DEFAULT_CHUNK_SIZE,
     AdapterIdentity,
@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "Counts",
     "DiskFullError", "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult",
     "MaintenanceResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
-    "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats", "TierConfig", "TierStats",
+    "ReadOnlyError", "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats",
+    "TierConfig", "TierStats",
     "adapter_digest", "chunk_keys", "open_shared", "parse_key", "release_shared", "short_key",
 ]

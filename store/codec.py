@@ -52,6 +52,17 @@ def codec_id(name: str) -> int:
         raise StoreError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_IDS)}") from None
 
 
+def max_encoded(codec: int, raw_len: int) -> int:
+    """The most bytes ``raw_len`` raw bytes can take encoded in ``codec``: exactly ``raw_len``
+    for raw; for zstd, its worst case (incompressible input grows by 1/256) with room for
+    each piece's frame header and the piece table. A record that claims more is forged or
+    damaged, and is refused before a buffer is sized by it."""
+    if codec == 0:
+        return raw_len
+    pieces = max(1, -(-raw_len // PIECE_RAW))
+    return raw_len + raw_len // 128 + pieces * 64 + 4096
+
+
 def shuffle(data: Buffer, itemsize: int) -> bytes:
     """Byte-plane shuffle: [b0 of every element][b1 of every element]..."""
     import numpy as np

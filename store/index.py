@@ -67,9 +67,9 @@ import lmdb
 
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
-from .errors import CorruptEntry, IndexWriteError, StoreError
+from .errors import CorruptEntry, IndexReopened, IndexWriteError, ReadOnlyError, StoreError, is_read_only
 from .private import DIR_MODE
-from .segment import ALIGN, RecordTrailer, align_up, record_len
+from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 
 if TYPE_CHECKING:
     from .events import EventLog
@@ -83,8 +83,6 @@ MAP_SIZE = 64 << 30
 GROW_AT = 0.5
 #: a commit left to ``Index.sync_soon`` (engine puts) is synced this long after it, at most
 SYNC_SOON_S = 1.0
-#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB)
-MAX_CHUNK_BYTES = 1 << 34
 FORMAT_VERSION = 2
 #: formats this lmctl opens (a format-1 store gets its counts built at its first writable open)
 FORMATS = (1, 2)
@@ -607,12 +605,22 @@ class Index:
                 self._madvise = ctypes.CDLL(None, use_errno=True).madvise
             except (OSError, AttributeError):
                 pass
+        #: why nothing can be written (None: it can): an open read-only, or the filesystem refused
+        self.readonly_reason: str | None = "the store was opened read-only" if readonly else None
         try:
             self.env = self._open()
         except lmdb.Error as exc:
+            if is_read_only(exc):  # nothing is damaged: the disk is read-only
+                raise ReadOnlyError(f"the index at {path} is on a read-only filesystem ({exc}); remount it "
+                                    "read-write, or open the store read-only") from None
             raise StoreError(f"the index at {path} cannot be opened ({type(exc).__name__}: {exc}); if it is "
                              "damaged, stop every process that uses the store and move that folder aside: the "
                              "next open rebuilds it from the segment files and the metadata journal") from None
+        self._open_dbs()
+        #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
+        self.event_log: EventLog | None = None
+
+    def _open_dbs(self) -> None:
         self.meta = self.env.open_db(b"meta")
         self.chunks = self.env.open_db(b"chunks")
         self.lru = self.env.open_db(b"lru")
@@ -625,8 +633,6 @@ class Index:
         # has none of them; ``has_events``/``has_counts`` say so, and every reader checks
         (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
-        #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
-        self.event_log: EventLog | None = None
 
     def _later_dbs(self, *names: bytes) -> tuple[list[Any], bool]:
         """Open sub-databases a writable open creates; read-only, missing ones stand in as
@@ -689,8 +695,30 @@ class Index:
     def read(self) -> Iterator[Txn]:
         """A short read transaction (a snapshot; keep it open no longer than needed)."""
         self.check_usable()
-        with self.env.begin(write=False, buffers=False) as txn:
-            yield Txn(self, txn, write=False)
+        env = self.env
+        try:
+            txn = env.begin(write=False, buffers=False)
+        except lmdb.Error as exc:
+            if isinstance(exc, lmdb.PanicError):  # a commit failed half-way: the environment is dead
+                self.went_read_only(f"its index could not be written ({exc})", first=True)
+            elif not self._swapped(env):
+                raise
+            env = self.env  # opened again meanwhile
+            txn = env.begin(write=False, buffers=False)
+        with txn:
+            try:
+                yield Txn(self, txn, write=False)
+            except lmdb.Error as exc:
+                if not self._swapped(env):
+                    raise
+                raise IndexReopened(f"the index at {self.path} was opened again read-only during a read "
+                                    f"({exc}); read again") from None
+
+    def _swapped(self, env: lmdb.Environment) -> bool:
+        """Whether ``env`` is no longer the index's environment (``went_read_only`` opened it
+        again), once a swap in progress has finished."""
+        with self._grow_lock:
+            return self.env is not env
 
     def _grow(self) -> None:
         """Double the map once more than ``GROW_AT`` of it is in use (before a write starts)."""
@@ -744,7 +772,7 @@ class Index:
         ``IndexWriteError``)."""
         self.check_usable()
         if self.readonly:
-            raise StoreError("this store was opened read-only")
+            raise ReadOnlyError(f"nothing can be written: {self.readonly_reason}")
         self._grow()
         t: Txn | None = None
         try:
@@ -758,6 +786,13 @@ class Index:
                 with self._grow_lock:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
                 raise _MapGrown(f"the index at {self.path} was full; its map has grown") from None
+            if isinstance(exc, lmdb.Error) and is_read_only(exc):
+                self.went_read_only(f"its filesystem went read-only ({exc})")
+                raise ReadOnlyError(f"nothing can be written: {self.readonly_reason}") from None
+            if isinstance(exc, lmdb.PanicError) or (isinstance(exc, lmdb.Error) and self.readonly):
+                # another thread's commit failed half-way (or it turned read-only meanwhile)
+                self.went_read_only(f"its index could not be written ({exc})", first=True)
+                raise ReadOnlyError(f"nothing can be written: {self.readonly_reason}") from None
             if isinstance(exc, lmdb.Error):  # e.g. the index's disk is full: nothing was committed
                 raise IndexWriteError(f"the index at {self.path} could not be written ({exc}); "
                                       "is its disk full?") from None
@@ -781,6 +816,30 @@ class Index:
         if durable:
             self.sync()
         return out
+
+    def went_read_only(self, reason: str, first: bool = False) -> None:
+        """The filesystem refused a write because it is read-only: from now on this index is
+        read only (reads go on; every write transaction raises ``ReadOnlyError`` at once). A
+        commit that failed half-way leaves LMDB's environment unusable (MDB_PANIC): it is then
+        opened again, read-only. ``first``: ``reason`` replaces none given before (it is vaguer)."""
+        with self._grow_lock:
+            if not self.readonly:
+                log.error("store index %s: %s; serving reads only from now on (saves are refused) until "
+                          "the filesystem is read-write again and this process restarts", self.path, reason)
+            if not (first and self.readonly):
+                self.readonly_reason = reason
+            self.readonly = True
+            if self._closed or os.getpid() != self._pid:
+                return
+            try:
+                with self.env.begin(write=False):
+                    return  # it still reads
+            except lmdb.Error:
+                pass
+            self.env.close()  # readers of the old one get an lmdb.Error (py-lmdb invalidates them)
+            self.env = self._open()
+            self._open_dbs()
+            self._spans = None
 
     @property
     def closed(self) -> bool:

@@ -10,16 +10,18 @@ they happen: a read, a lookup or a save never waits for a write transaction of i
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .codec import CODEC_NAMES, Codec
+from .codec import CODEC_NAMES, Codec, max_encoded
 from .config import TIER_NAMES, StoreConfig
-from .errors import CorruptEntry, StoreError
+from .errors import CorruptEntry, IndexReopened, StoreError
 from .index import (
     ENTRY_CODEC_OFFSET,
     ENTRY_TIER_OFFSET,
@@ -34,9 +36,9 @@ from .index import (
     trailer_mismatch,
     unpack_counts,
 )
-from .keys import DTYPE_SIZES, Namespace, short_key
+from .keys import DTYPE_SIZES, Namespace, NamespaceRecord, short_key
 from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
-from .segment import CorruptRecord, SegmentGone
+from .segment import CorruptRecord, RecordTrailer, SegmentGone
 from .space import TierState
 from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
 
@@ -50,6 +52,38 @@ PAGE = 512
 #: chunks whose access times wait in memory at most (while the index cannot be written, e.g.
 #: its disk is frozen); reads of other chunks still count as hits but keep their LRU place
 MAX_PENDING = 100_000
+#: the most raw bytes ``get`` takes of a chunk whose namespace the index does not record,
+#: when its caller names no length (pass ``expect`` for larger ones)
+READ_CAP = 1 << 30
+#: namespaces whose chunk size ``read_bound`` keeps in memory at most
+NS_CACHE = 4096
+#: errnos of a read that say the disk failed (the chunk is dropped); any other OSError (too
+#: many open files, say) is this process's trouble: a miss, the chunk kept
+DISK_FAULTS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EBADMSG, errno.EUCLEAN})
+
+
+def length_problem(e: Entry, expect: int | None, limit: int) -> str | None:
+    """What is wrong with the lengths entry ``e`` claims, for a reader that wants exactly
+    ``expect`` raw bytes (None: any) and can take at most ``limit``; None if nothing is."""
+    if expect is not None and e.raw_len != expect:
+        return f"its index entry claims {e.raw_len} raw bytes, the reader expects {expect}"
+    if e.raw_len > limit:
+        return f"its index entry claims {e.raw_len} raw bytes, more than the {limit} the reader takes"
+    if e.codec == 0 and e.stored_len != e.raw_len:
+        return f"its index entry claims a raw chunk of stored length {e.stored_len} and raw length {e.raw_len}"
+    if e.stored_len > max_encoded(e.codec, e.raw_len):
+        return f"its index entry claims {e.stored_len} stored bytes for {e.raw_len} raw bytes"
+    return None
+
+
+def agrees(key: bytes, e: Entry, trailer: RecordTrailer | None) -> None:
+    """``CorruptRecord`` unless ``trailer`` is there and says what index entry ``e`` of ``key`` says."""
+    if trailer is None:
+        raise CorruptRecord(f"no record trailer at segment {e.seg} offset {e.off}")
+    wrong = trailer_mismatch(key, e, trailer)
+    if wrong:
+        raise CorruptRecord(f"record at segment {e.seg} offset {e.off}: the index and the record "
+                            f"trailer disagree on {wrong}")
 
 
 def chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
@@ -71,6 +105,7 @@ class Reads:
         self._forget_segment = forget_segment
         self.lock = lock
         self._access: dict[bytes, tuple[float, int]] = {}
+        self._chunk_bytes: dict[bytes, int] = {}  # namespace id -> its chunk's raw bytes (read_bound)
         self._counts = {"hits": 0, "misses": 0}
         self._last_flush = time.monotonic()
         #: this process's pending metric deltas (store/metrics.py), written with the access log
@@ -94,12 +129,17 @@ class Reads:
         with self.index.read() as t:
             return t.entry_raw(key) is not None
 
-    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+    def locate(self, keys: Sequence[bytes], again: bool = True) -> list[str | None]:
         out: list[str | None] = []
-        with self.index.read() as t:
-            for k in keys:
-                raw = t.entry_raw(k)
-                out.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+        try:
+            with self.index.read() as t:
+                for k in keys:
+                    raw = t.entry_raw(k)
+                    out.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+        except IndexReopened:
+            if not again:
+                raise
+            return self.locate(keys, again=False)
         return out
 
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
@@ -212,24 +252,60 @@ class Reads:
                 self.index.release_pages()
 
     # -- payloads ------------------------------------------------------------------------
-    def get(self, key: bytes, touch: bool = True) -> Chunk | None:
-        """See ``Store.get``."""
-        got = self._read(key, None, touch)
+    def read_bound(self, key: bytes) -> int:
+        """The most raw bytes a chunk of ``key`` may hold when its reader names no length:
+        ``namespace_bound``, else ``READ_CAP``."""
+        known = self.namespace_bound(key)
+        return READ_CAP if known is None else known
+
+    def namespace_bound(self, key: bytes) -> int | None:
+        """The raw bytes of one chunk of ``key``'s namespace (``key[:16]``), where the index
+        records the namespace: a chunk is never larger. None where it does not."""
+        nid = bytes(key[:16])
+        known = self._chunk_bytes.get(nid)
+        if known is not None:
+            return known
+        with self.index.read() as t:
+            raw = t.raw.get(nid, db=self.index.ns)
+        if raw is None:
+            return None
+        try:
+            known = NamespaceRecord.from_record(nid, json.loads(bytes(raw))["namespace"]).kv_format.chunk_bytes
+        except (KeyError, TypeError, ValueError, StoreError):
+            return None
+        with self.lock:  # an id's KV format never changes (it is part of the id): cached for good
+            if len(self._chunk_bytes) < NS_CACHE:
+                self._chunk_bytes[nid] = known
+        return known
+
+    def get(self, key: bytes, touch: bool = True, expect: int | None = None,
+            limit: int | None = None) -> Chunk | None:
+        """See ``Store.get``. ``limit``: the most raw bytes to take (default: ``read_bound``)."""
+        if limit is None:
+            limit = expect if expect is not None else self.read_bound(key)
+        got = self._read(key, None, touch, expect, limit)
         if got is None:
             return None
         info, out = got
         return Chunk(key, out, info.layout, info.tokens, info.tier, info.codec)
 
-    def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
+    def get_into(self, key: bytes, out: Buffer, touch: bool = True, expect: int | None = None) -> ChunkInfo | None:
         """See ``Store.get_into``."""
-        got = self._read(key, memoryview(out).cast("B"), touch)
+        view = memoryview(out).cast("B")
+        got = self._read(key, view, touch, expect, len(view))
         return None if got is None else got[0]
 
-    def _read(self, key: bytes, dst: memoryview | None, touch: bool) -> tuple[ChunkInfo, Buffer] | None:
-        """Read ``key`` into ``dst`` (None: a new buffer of the chunk's size)."""
+    def _read(self, key: bytes, dst: memoryview | None, touch: bool, expect: int | None,
+              limit: int) -> tuple[ChunkInfo, Buffer] | None:
+        """Read ``key`` into ``dst`` (None: a new buffer of the chunk's size). The lengths its
+        entry claims are checked against ``expect`` (the exact raw length wanted) and
+        ``limit`` before anything is allocated or read."""
         for attempt in range(3):
-            with self.index.read() as t:
-                raw = t.entry_raw(key)
+            try:
+                with self.index.read() as t:
+                    raw = t.entry_raw(key)
+            except IndexReopened:
+                continue
             if raw is None:
                 self._count_miss(touch)
                 return None
@@ -237,45 +313,80 @@ class Reads:
                 e = Entry.unpack(raw)
             except CorruptEntry as exc:
                 log.warning("dropping chunk %s: %s", short_key(key), exc)
-                drop_unreadable(self.index, key, bytes(raw))
+                self._guarded(drop_unreadable, self.index, key, bytes(raw))
                 self._count_miss(touch)
                 return None
-            out: Buffer
-            if dst is None:
-                out = bytearray(e.raw_len)
-                view = memoryview(out)
-            else:
-                if len(dst) < e.raw_len:
-                    raise StoreError(f"output buffer of {len(dst)} bytes is smaller than the chunk ({e.raw_len})")
-                out = view = dst
+            wrong = length_problem(e, expect, limit)
+            if wrong is not None:
+                # dropped when the record must be wrong: not what the caller knows the key holds,
+                # or larger than its namespace's chunk; only larger than a reader's buffer or the
+                # cap, it may be the reader's mistake: a miss, kept
+                bound = self.namespace_bound(key)
+                mine = expect is not None or e.raw_len <= limit or (bound is not None and e.raw_len > bound)
+                self._failed(key, e, "bad-length", wrong, touch, drop=mine)
+                return None
             st = self.tiers.get(e.tier_name)
             if st is None:
                 self._count_miss(touch)
                 return None
+            out: Buffer
             try:
+                if dst is None:
+                    # a buffer is sized by the entry only once the record's checksummed trailer,
+                    # on disk, says the same (a damaged entry allocates nothing)
+                    agrees(key, e, st.io.trailer_at(e.seg, e.off, e.stored_len))
+                    out = bytearray(e.raw_len)
+                    view = memoryview(out)
+                else:
+                    out = view = dst
                 self._read_record(st, key, e, view)
             except SegmentGone:
                 # compacted under us (look the key up again), or the file is really gone
                 if attempt == 2 and not os.path.exists(st.io.path(e.seg)):
                     self._forget_segment(st, e.seg)
                 continue
+            except OSError as exc:
+                # a disk fault is a miss, never an exception into the engine
+                self._failed(key, e, "io-error" if exc.errno in DISK_FAULTS else "read-error",
+                             f"reading segment {e.seg} at {e.off} failed: {exc}", touch,
+                             drop=exc.errno in DISK_FAULTS)
+                return None
             except (CorruptRecord, StoreError, ValueError, OverflowError, MemoryError) as exc:
                 # a record or an index entry that does not add up is a miss, never wrong bytes
-                log.warning("dropping corrupt chunk %s: %s", short_key(key), exc)
-                drop_corrupt(self.index, key, e, detail=str(exc))
-                self._count_miss(touch)
+                self._failed(key, e, "bad-record", str(exc), touch)
                 return None
             if touch:
-                self._touch(key)
+                try:
+                    self._touch(key)
+                except StoreError as exc:  # the access log could not be written: the hit stands
+                    log.warning("could not record a hit of chunk %s: %s", short_key(key), exc)
             return chunk_info(key, e, 0), out
         self._count_miss(touch)
         return None
 
+    def _failed(self, key: bytes, e: Entry, reason: str, detail: str, touch: bool, drop: bool = True) -> None:
+        """A read of ``key`` (entry ``e``) that failed for ``reason``: a miss, counted in the
+        metric ``read_failures_total``, and (``drop``) the chunk dropped from the index and
+        logged as a ``corrupt`` event with that reason."""
+        log.warning("%s chunk %s (%s): %s", "dropping" if drop else "missing", short_key(key), reason, detail)
+        self.meter.inc("read_failures_total", 1, reason=reason, tier=e.tier_name)
+        if drop:
+            self._guarded(drop_corrupt, self.index, key, e, reason=reason, detail=detail)
+        self._count_miss(touch)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Drop a chunk from the index unless the index cannot be written now (a read-only
+        store): the read is a miss either way, and dropping is only tidiness."""
+        if self.index.readonly:
+            return
+        try:
+            fn(*args, **kwargs)
+        except StoreError as exc:
+            log.warning("could not drop the chunk from the index: %s", exc)
+
     def _read_record(self, st: TierState, key: bytes, e: Entry, dst: memoryview) -> None:
-        """Read and verify ``e``'s record, decoded into ``dst``."""
-        if e.codec == 0 and e.stored_len != e.raw_len:
-            raise CorruptRecord(f"index entry of a raw chunk has stored length {e.stored_len} "
-                                f"and raw length {e.raw_len}")
+        """Read and verify ``e``'s record, decoded into ``dst`` (its lengths were checked:
+        ``length_problem``)."""
         if e.codec == 0:
             self._verified(st, key, e, dst)
             return
@@ -291,22 +402,18 @@ class Reads:
     def stored_bytes(self, key: bytes, e: Entry) -> bytearray | None:
         """The stored (encoded) bytes of ``key``'s record ``e``, verified; None if they fail."""
         st = self.tiers.get(e.tier_name)
-        if st is None:
+        if st is None or length_problem(e, None, self.read_bound(key)) is not None:
             return None
         buf = bytearray(e.stored_len)
         try:
             self._verified(st, key, e, memoryview(buf))
-        except (CorruptRecord, SegmentGone, StoreError, ValueError):
+        except (CorruptRecord, SegmentGone, StoreError, ValueError, OSError):
             return None
         return buf
 
     @staticmethod
     def _verified(st: TierState, key: bytes, e: Entry, into: memoryview) -> None:
-        trailer = st.io.read_record(e.seg, e.off, e.stored_len, into)
-        wrong = trailer_mismatch(key, e, trailer)
-        if wrong:
-            raise CorruptRecord(f"record at segment {e.seg} offset {e.off}: the index and the record "
-                                f"trailer disagree on {wrong}")
+        agrees(key, e, st.io.read_record(e.seg, e.off, e.stored_len, into))
 
     # -- the access log ------------------------------------------------------------------
     def _count_miss(self, count: bool = True) -> None:

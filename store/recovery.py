@@ -337,7 +337,7 @@ class Recovery:
             with self.lock:
                 self.index.write(drop)
             for p in problems:
-                if p.kind in ("dangling-entry", "missing-file", "corrupt-chunk"):
+                if p.kind in ("dangling-entry", "missing-file", "corrupt-chunk", "read-error"):
                     p.fixed = True
         for k in unreadable:
             problems.append(Problem("unreadable-entry", f"chunk {short_key(k)}: its index entry cannot be decoded",
@@ -430,6 +430,12 @@ class Recovery:
                     if self._moved(key, e):
                         continue
                     problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
+                    bad.append((key, e))
+                except OSError as exc:  # a disk error: this chunk is unreadable; the pass goes on
+                    if self._moved(key, e):
+                        continue
+                    problems.append(Problem("read-error", f"chunk {short_key(key)}: reading segment {e.seg} of "
+                                            f"tier {st.name} at {e.off} failed: {exc}"))
                     bad.append((key, e))
             if progress is not None:
                 progress(min(done, total), total)

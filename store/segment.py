@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from .codec import max_encoded
 from .errors import StoreError
 from .private import FILE_MODE, SAFE_OPEN, UnsafePath, check_folder, file_problem, make_private_dir
 
@@ -71,6 +72,9 @@ _REC = struct.Struct("<8sHBBHHQQQdI12x")
 #: before store ids; its first 4 KiB is the header, the rest zeros)
 _SEGMENT_HEADER = struct.Struct("<8sHQd16s")
 REC_FIXED = _REC.size  # 64
+#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB): a length
+#: claimed past it, by an index entry or a trailer, is damage
+MAX_CHUNK_BYTES = 1 << 34
 TRAILER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
 assert REC_FIXED == 64
 
@@ -144,6 +148,8 @@ def decode_trailer(buf: Buffer) -> RecordTrailer | None:
      crc) = _REC.unpack_from(mv, 0)
     if magic != REC_MAGIC or version != REC_VERSION:
         return None
+    if raw_len >= MAX_CHUNK_BYTES or stored_len > max_encoded(codec, raw_len) or (codec == 0 and stored_len != raw_len):
+        return None  # lengths no writer makes: nothing may be sized by them
     end = REC_FIXED + key_len + meta_len
     if end > min(len(mv), TRAILER_BLOCK):
         return None
@@ -412,6 +418,24 @@ class SegmentIO:
             fd = self._fds.pop(seg_id, None)
         if fd is not None:
             os.close(fd)
+
+    def trailer_at(self, seg_id: int, offset: int, stored_len: int) -> RecordTrailer | None:
+        """The trailer of the record at ``offset`` whose payload is ``stored_len`` bytes (one
+        4 KiB read, no payload): what a reader checks an index entry's claims against before
+        it sizes a buffer by them. None if there is no valid trailer there. Raises like
+        ``read_record`` (``SegmentGone``, OSError)."""
+        try:
+            fd = self._fd(seg_id)
+        except FileNotFoundError:
+            raise SegmentGone(seg_id) from None
+        buf = self.pool.take(TRAILER_BLOCK)  # aligned: the fd may be O_DIRECT
+        try:
+            view = memoryview(buf)[:TRAILER_BLOCK]
+            if _preadv_all(fd, [view], offset + align_up(stored_len)) != TRAILER_BLOCK:
+                return None
+            return decode_trailer(view)
+        finally:
+            self.pool.give(buf)
 
     def read_record(self, seg_id: int, offset: int, stored_len: int,
                     dst: memoryview | None) -> RecordTrailer:

@@ -19,14 +19,15 @@ _open: dict[str, tuple[Store, int]] = {}
 
 def open_shared(path: str | os.PathLike[str], config: StoreConfig | None = None) -> Store:
     """The process's store at ``path``, opened on first use. ``config`` applies only then;
-    later callers get the store as it is. Give it back with ``release_shared``."""
+    later callers get the store as it is. On a read-only filesystem it is opened read-only
+    (``Store.readonly``): an engine keeps its hits. Give it back with ``release_shared``."""
     real = os.path.realpath(os.fspath(path))
     with _lock:
         got = _open.get(real)
         if got is not None and got[0]._closed:
             got = None
         if got is None:
-            store = Store(real, config)
+            store = Store(real, config, fallback_readonly=True)  # a read-only disk still serves hits
             _open[real] = (store, 1)
             return store
         _open[real] = (got[0], got[1] + 1)

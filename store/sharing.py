@@ -67,17 +67,23 @@ class Sharing:
         return out
 
     # -- reads -----------------------------------------------------------------------------
-    def fetch_into(self, key: bytes, out: memoryview | None) -> tuple[ChunkInfo, Buffer] | None:
+    def fetch_into(self, key: bytes, out: memoryview | None, *, expect: int | None = None,
+                   limit: int) -> tuple[ChunkInfo, Buffer] | None:
         """Read ``key`` from the remote tier into ``out`` (None: a new buffer of its size),
-        verified and decoded; promote it. Returns its metadata and the buffer."""
+        verified and decoded; promote it. Returns its metadata and the buffer. ``expect``: the
+        exact raw length wanted; ``limit``: the most raw bytes taken (``len(out)`` at most).
+        A chunk of other lengths is a miss."""
         got = self.tier.get(key)
         if got is None:
             return None
         m, stored = got
+        if (expect is not None and m.raw_len != expect) or m.raw_len > limit or (
+                out is not None and m.raw_len > len(out)):
+            log.warning("remote chunk %s claims %d raw bytes; the reader %s; a miss", key[16:24].hex(), m.raw_len,
+                        f"expects {expect}" if expect is not None else f"takes at most {limit}")
+            return None
         if out is None:
             out = memoryview(bytearray(m.raw_len))
-        if len(out) < m.raw_len:
-            raise StoreError(f"output buffer of {len(out)} bytes is smaller than the chunk ({m.raw_len})")
         try:
             itemsize = DTYPE_SIZES.get(m.layout.get("dtype", "uint8"), 1)
             self._codec().decode_into(codec_id(m.codec), stored, out, m.raw_len, itemsize)

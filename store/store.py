@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .codec import Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
-from .errors import StoreError
+from .errors import ReadOnlyError, StoreError, is_read_only
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
@@ -54,6 +54,7 @@ from .private import (
     make_private_dir,
     marked_id,
     new_store_id,
+    open_file,
     read_marker,
     tighten,
     write_marker,
@@ -96,13 +97,42 @@ class Store:
     after ``fork``)."""
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, fallback_readonly: bool = False) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
-        an index that was lost is rebuilt from the segments and the metadata journal."""
+        an index that was lost is rebuilt from the segments and the metadata journal.
+
+        On a read-only filesystem (EROFS from the index or a file: mounted ``ro``, or gone
+        read-only after an error) a writable open raises ``ReadOnlyError``; with
+        ``fallback_readonly`` (engines, the daemon) it opens read-only instead: hits are
+        served, saves are refused (``ReadOnlyError``, counted in ``refused_saves``), and
+        ``readonly_reason`` says why. A store whose filesystem goes read-only while it is
+        open turns read-only the same way at its first refused write."""
+        try:
+            self._start(path, config, readonly)
+        except Exception as exc:
+            if readonly or not fallback_readonly or not is_read_only(exc):
+                raise
+            log.error("store %s: %s; opening it read-only: hits are served, saves refused", path, exc)
+            self._start(path, None, True)
+            self._index.readonly_reason = "its filesystem is read-only"
+
+    @property
+    def readonly(self) -> bool:
+        """Whether nothing can be written: opened read-only, or its filesystem is read-only."""
+        return self._index.readonly
+
+    @property
+    def readonly_reason(self) -> str | None:
+        """Why nothing can be written (None: it can)."""
+        return self._index.readonly_reason if self._index.readonly else None
+
+    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self.readonly = readonly
+        #: chunks ``put_many`` refused because the store is read-only (this process's, in memory:
+        #: a read-only index cannot count them)
+        self.refused_saves = 0
         self._lock = threading.RLock()
         self._closed = False
         index = os.path.join(self.path, "index")
@@ -307,13 +337,13 @@ class Store:
         m.inc("lookups_total", 1, **who)
         m.inc("lookup_hit_tokens_total", hit_tokens, **who)
         m.inc("lookup_miss_tokens_total", max(0, tokens - hit_tokens), **who)
-        self._reads.flush_if_due()
+        self._flush_if_due()
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         """Set this process's current value of a gauge (e.g. an engine's save queue depth,
         labelled by its pid); written with the access log, read by ``metric_gauges``."""
         if self._reads.meter.gauge(name, value, **labels):
-            self._reads.flush_if_due()
+            self._flush_if_due()
 
     def metric_gauges(self, max_age_s: float | None = 60.0) -> list[Gauge]:
         """The gauges every process set within ``max_age_s`` seconds (this process's pending
@@ -339,7 +369,7 @@ class Store:
                 with self._promote_lock:
                     self._promoting.discard(key)
 
-        if self.pin_refs(key):
+        if self.readonly or self.pin_refs(key):
             return  # pinned chunks stay where they are: dram has a pin budget of its own
         with self._promote_lock:
             if key in self._promoting or len(self._promoting) >= PROMOTE_QUEUE or self._closed:
@@ -554,21 +584,38 @@ class Store:
         Returns, per item, whether it was stored. A chunk that is already present is
         not written again; a chunk that does not fit (the tier is full of pinned
         chunks, or the chunk is larger than the tier) is dropped and counted, never
-        raised: a cache that cannot store simply misses later. ``DiskFullError`` when
-        the disk itself is full (nothing of the batch is stored).
+        raised: a cache that cannot store simply misses later. When the default tier's disk
+        is full or read-only, the batch spills to the next local tier (see ``Writes.save``).
+        ``DiskFullError`` when the disk itself is full and no tier takes the batch (nothing
+        of it is stored); ``ReadOnlyError`` when the store is read-only (``readonly``; the
+        refused chunks are counted in ``refused_saves``).
         """
         t0 = time.perf_counter()
-        stored = self._writes.put_many(items, tier, level=level)
+        try:
+            if self.readonly:
+                raise ReadOnlyError(f"{len(items)} chunk(s) not stored: {self.readonly_reason}")
+            stored, where = self._writes.save(items, tier, level=level)
+        except ReadOnlyError:
+            with self._lock:
+                self.refused_saves += len(items)
+            raise
         n = sum(stored)
         if n:
             m = self._reads.meter
-            where = tier or self.config.default_tier
             m.inc("saves_total", n, tier=where)
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
             m.observe("save_seconds", time.perf_counter() - t0, tier=where)
-            self._reads.flush_if_due()
+            self._flush_if_due()
         return stored
+
+    def _flush_if_due(self) -> None:
+        """``Reads.flush_if_due`` after a count: an index that cannot be written now (a disk gone
+        read-only) must not turn the save or lookup that counted into an error."""
+        try:
+            self._reads.flush_if_due()
+        except StoreError as exc:
+            log.debug("writing the metric counts failed: %s", exc)
 
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
                 level: int | None = None, progress: Callable[[int, int], None] | None = None,
@@ -620,36 +667,52 @@ class Store:
             found.tiers = sharing.locate(found.keys, found.tiers)
         return found
 
-    def get(self, key: bytes, touch: bool = True) -> Chunk | None:
-        """Read and verify one chunk; None on a miss (absent, corrupt or foreign).
+    def get(self, key: bytes, touch: bool = True, *, expect: int | None = None) -> Chunk | None:
+        """Read and verify one chunk; None on a miss (absent, corrupt, foreign or of the wrong
+        length).
 
+        ``expect``: the exact raw length the caller wants. Without it the chunk may hold at
+        most one chunk of its namespace's KV format (when the index records the namespace,
+        ``key[:16]``), else ``READ_CAP`` (1 GiB). The lengths a record claims are checked
+        against that before anything is allocated: a chunk that claims other lengths is a
+        miss, dropped and counted (``bad-length``).
         ``touch=False`` is for the store's own work (move, compress, warm): the read counts
         as neither a hit nor a miss and leaves the chunk's access time alone. A chunk only the
         remote tier holds is read from there (and promoted into the local default tier)."""
-        chunk = self._reads.get(key, touch)
+        limit = expect if expect is not None else self._reads.read_bound(key)
+        chunk = self._reads.get(key, touch, expect, limit)
         sharing = self._sharing
         if chunk is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, None)
+            got = sharing.fetch_into(key, None, expect=expect, limit=limit)
             if got is not None:
                 info, data = got
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
         return chunk
 
-    def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
-        """Read one chunk into ``out`` (a writable buffer of at least its raw size).
+    def get_into(self, key: bytes, out: Buffer, touch: bool = True, *,
+                 expect: int | None = None) -> ChunkInfo | None:
+        """Read one chunk into ``out`` (a writable buffer); its bytes land in
+        ``out[:raw_bytes]``.
 
         Returns its metadata, or None on a miss. On a miss ``out`` may hold garbage.
-        A chunk whose bytes fail the checksum, or whose record names another key, is
-        removed from the index and counted as corrupt. A chunk only the remote tier holds is
-        read from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
+        ``expect``: the exact raw length the caller wants (an engine: its KV format's
+        ``chunk_bytes``); without it, a chunk of at most ``len(out)`` bytes. The lengths a
+        record claims are checked against that before anything is read: a chunk that claims
+        others is a miss, removed from the index and counted (``bad-length``), as is one whose
+        bytes fail the checksum or whose record names another key (``bad-record``) or whose
+        read fails on a disk error (``io-error``). A chunk only the remote tier holds is read
+        from there, verified, decoded into ``out`` and promoted (``tier`` is ``remote``).
         """
+        view = memoryview(out).cast("B")
+        if expect is not None and expect > len(view):
+            raise StoreError(f"get_into: the buffer of {len(view)} bytes cannot take the {expect} expected")
         t0 = time.perf_counter()
-        info = self._reads.get_into(key, out, touch)
+        info = self._reads.get_into(key, view, touch, expect)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
         sharing = self._sharing
         if info is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, memoryview(out).cast("B"))
+            got = sharing.fetch_into(key, view, expect=expect, limit=len(view))
             info = None if got is None else got[0]
         if info is not None and touch:
             m = self._reads.meter
@@ -707,6 +770,8 @@ class Store:
         and compress a batch of cold raw chunks (``compress_cold_after_s``). Returns what it
         did."""
         out = MaintenanceResult()
+        if not self.check_writable():  # every step writes: nothing to do until the store can write again
+            return out
         for name, st in self._tiers.items():
             if self._space.used(name) > high_watermark * st.cfg.capacity:
                 with self._lock:
@@ -721,6 +786,24 @@ class Store:
         if self.config.compress_cold_after_s > 0:
             out.chunks_compressed = self._compress_cold()
         return out
+
+    def check_writable(self) -> bool:
+        """Whether the store can still be written; one whose filesystem went read-only turns
+        read-only now (``readonly``) instead of at its next refused write. The probe writes
+        nothing: it opens the metadata journal for writing, which a read-only filesystem refuses
+        (EROFS). A frozen filesystem blocks it: call it off every request's path (maintenance)."""
+        if self.readonly:
+            return False
+        try:
+            fd = open_file(os.path.join(self.path, "meta.journal"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                           "metadata journal")
+        except OSError as exc:
+            if not is_read_only(exc):
+                return True  # another trouble: the next write reports it
+            self._index.went_read_only(f"its filesystem went read-only ({exc.strerror})")
+            return False
+        os.close(fd)
+        return True
 
     def _compress_cold(self, batch: int = COLD_BATCH) -> int:
         """Compress up to ``batch`` raw chunks unread for ``compress_cold_after_s`` (oldest first)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .codec import CODEC_NAMES, Codec, codec_id
-from .config import StoreConfig
-from .errors import DiskFullError, StoreError
+from .config import TIER_ORDER, StoreConfig
+from .errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
 from .eviction import Evictor
 from .index import Entry, Index, Txn
 from .keys import DTYPE_SIZES, KEY_BYTES
@@ -29,6 +30,8 @@ from .types import PutItem, RewriteResult
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+log = logging.getLogger("lmctl.store")
 
 
 @dataclass
@@ -48,6 +51,11 @@ class _Prepared:
         return len(memoryview(self.stored))
 
 
+#: a tier whose disk was full (or read-only) is tried again for saves after this many seconds;
+#: meanwhile its saves go to the next local tier
+SPILL_RETRY_S = 10.0
+
+
 class Writes:
     """The write path of one store."""
 
@@ -62,6 +70,46 @@ class Writes:
         self.lock = lock
         #: told about the chunks a put_many stored (the remote tier's write-through)
         self.on_stored: Callable[[list[Stored]], object] | None = None
+        #: tier -> when (monotonic) saves try it again: its disk refused the last batch
+        self._refused_until: dict[str, float] = {}
+
+    def save(self, items: Sequence[PutItem], tier: str | None = None, *,
+             level: int | None = None) -> tuple[list[bool], str]:
+        """``put_many`` for ``Store.put_many``; returns the results and the tier written to.
+
+        Saves to the default tier (``tier`` None) spill: when its disk is full (ENOSPC) or
+        read-only, the batch goes to the next local tier (dram, then nvme), counted in the
+        metric ``saves_spilled_total``, and that tier takes the default tier's saves for
+        ``SPILL_RETRY_S`` before the default tier is tried again. A tier named by the caller
+        never spills."""
+        if tier is not None:
+            return self.put_many(items, tier, level=level), tier
+        first = self._config().default_tier
+        chain = self._spill_chain(first)
+        for n, name in enumerate(chain):
+            try:
+                out = self.put_many(items, name, level=level)
+            except (DiskFullError, ReadOnlyError) as exc:
+                if self.index.readonly or n == len(chain) - 1:
+                    raise  # the index cannot be written, or no tier is left
+                self._refused_until[name] = time.monotonic() + SPILL_RETRY_S
+                log.warning("%s; saves go to tier %s for %.0f s", exc, chain[n + 1], SPILL_RETRY_S)
+                continue
+            if name != first:
+                self.reads.meter.inc("saves_spilled_total", sum(out), **{"from": first, "to": name})
+            elif first in self._refused_until:
+                del self._refused_until[first]
+            return out, name
+        raise AssertionError("unreachable: the last tier of the chain raises")
+
+    def _spill_chain(self, first: str) -> list[str]:
+        """The tiers a save to ``first`` may land in, in the order to try them: ``first`` and
+        the local tiers after it; those whose disk refused a batch lately go last."""
+        names = [n for n in TIER_ORDER if n in self.space.tiers]
+        chain = names[names.index(first):] if first in names else [first]
+        now = time.monotonic()
+        fresh = [n for n in chain if self._refused_until.get(n, 0.0) <= now]
+        return fresh + [n for n in chain if n not in fresh]
 
     def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None,
                  replace: dict[bytes, Entry] | None = None, share: bool = True) -> list[bool]:
@@ -90,6 +138,8 @@ class Writes:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFullError(f"the disk under tier {st.name} ({st.io.dir}) is full: no room for a new "
                                         "segment file; free space there or lower the tier's capacity") from None
+                if is_read_only(exc):
+                    raise self._read_only(st, len(prepared)) from None
                 raise
             done, written = self._write_records(st, prepared, plan)
             results = [False] * len(prepared)
@@ -182,9 +232,33 @@ class Writes:
                 raise DiskFullError(
                     f"the disk under tier {st.name} ({st.io.dir}) is full: {len(done) or len(todo)} chunk(s) "
                     "not stored; free space there or lower the tier's capacity") from None
+            if is_read_only(failure):
+                raise self._read_only(st, len(done) or len(todo)) from None
+            if isinstance(failure, OSError):  # e.g. EIO from a sync as the disk turns read-only
+                refused = self._index_refuses()
+                if refused is not None:
+                    raise refused from None
             raise failure
         self.space.close_retired(st)
         return done, written
+
+    def _read_only(self, st: TierState, chunks: int) -> ReadOnlyError:
+        """The error for a write that tier ``st``'s filesystem refused as read-only (the
+        index's own, when it refuses too)."""
+        return self._index_refuses() or ReadOnlyError(
+            f"the filesystem under tier {st.name} ({st.io.dir}) is read-only: {chunks} chunk(s) not stored; "
+            "remount it read-write")
+
+    def _index_refuses(self) -> ReadOnlyError | None:
+        """After a segment write failed: whether the index is on a read-only filesystem now.
+        A probe write finds out (and the store turns read-only: ``Index.went_read_only``)."""
+        try:
+            self.index.write(lambda t: t.raw.put(b"write_probe", b"", db=self.index.meta))
+        except ReadOnlyError as exc:
+            return exc
+        except StoreError:
+            pass  # another trouble of the index: the segment's error is the one to report
+        return None
 
     # -- rewriting ---------------------------------------------------------------------
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,

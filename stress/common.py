@@ -4,12 +4,14 @@ workers use them too) and the tally each scenario returns."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,14 @@ class Worker:
         self.proc.wait()
         self._reader.join(timeout=10)
         return at
+@contextmanager
+def quiet_store_log(level: int = logging.CRITICAL) -> Iterator[None]:
+    """The store's log below ``level`` is dropped meanwhile: a scenario that injects faults
+    by the hundred would print a warning for each one it is checking."""
+    log = logging.getLogger("lmctl.store")
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)

@@ -33,6 +33,17 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
 * frozen: fsfreeze a loop-mounted ext4 under a tier while a writer's put blocks on it: reads,
   status and ls answer; with the whole store on it, everything waits and catches up after the
   thaw (stress/scenario_frozen.py; root only).
+* eio: a FUSE passthrough under the nvme tier fails the reads of random chunks with EIO;
+  every read returns the exact bytes or a miss, never an exception; each unreadable chunk
+  is dropped and counted (io-error); verify --deep lists them all and --fix drops them all
+  (stress/scenario_eio.py; skipped without FUSE).
+* readonly: a loop-mounted ext4 goes read-only (ext4's error trigger, errors=remount-ro)
+  under a running daemon, a writer and a reader; reads go on, saves are refused and counted,
+  the daemon stays up and says read-only, and restarts on the read-only disk (root only;
+  stress/scenario_readonly.py).
+* full-shm: another uid's file fills the 16 MiB tmpfs under the dram tier; saves land on
+  nvme, counted as spilled, read back exactly, and dram takes saves again once it has room
+  (root only; stress/scenario_full_shm.py).
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -296,11 +307,11 @@ def scenario_full_disk(work: Path, n: int) -> Tally:
 
 # -- a real daemon ------------------------------------------------------------------------------
 class Daemon:
-    def __init__(self, store: Path, extra: list[str] | None = None) -> None:
-        self.store, self.sock = store, store / "lmctl.sock"
+    def __init__(self, store: Path, extra: list[str] | None = None, sock: Path | None = None) -> None:
+        self.store, self.sock = store, sock or store / "lmctl.sock"
         self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--init",
-                                      "--maintenance-interval", "0.5", *(extra or [])], env=ENV,
-                                     stderr=subprocess.PIPE, text=True)
+                                      "--socket", str(self.sock), "--maintenance-interval", "0.5", *(extra or [])],
+                                     env=ENV, stderr=subprocess.PIPE, text=True)
         end = time.time() + 30
         while time.time() < end:
             try:
@@ -477,6 +488,9 @@ def main() -> int:
         ("hostile-folders", lambda w: topic("hostile_folders")(w, 2 if q else 20)),
         ("power-cut", lambda w: topic("power_cut")(w, 2 if q else 30)),
         ("frozen", lambda w: topic("frozen")(w, 1 if q else 10)),
+        ("eio", lambda w: topic("eio")(w, 2 if q else 40)),
+        ("readonly", lambda w: topic("readonly")(w, 1 if q else 6)),
+        ("full-shm", lambda w: topic("full_shm")(w, 1 if q else 10)),
     ]
     rows = []
     for name, run in plan:

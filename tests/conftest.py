@@ -94,6 +94,29 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     assert not d.sock.exists()
 
 
+@contextmanager
+def loop_ext4(tmp_path: Path, size: str = "85M", options: str = "loop") -> Iterator[Path]:
+    """A small ext4 filesystem in an image file, mounted with ``options`` (loop); skips the
+    test where that cannot be done (needs root, mkfs.ext4 and loop devices)."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root and mkfs.ext4 to mount a small filesystem")
+    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", size, str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    r = subprocess.run(["mount", "-o", options, str(img), str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot loop-mount a filesystem here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy (a failed test): detach
+
+
 def env_with_path() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

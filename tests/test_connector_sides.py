@@ -68,9 +68,9 @@ def hold_store_reads(worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPat
     gate = threading.Event()
     real = worker.store.get_into
 
-    def held(*args: Any) -> Any:
+    def held(*args: Any, **kw: Any) -> Any:
         assert gate.wait(30)
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(worker.store, "get_into", held)
     return gate
@@ -105,11 +105,11 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
     calls = []
 
     def fail_on_the_second_chunk(real: Any) -> Any:
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
             calls.append(args)
             if len(calls) == 2:
                 raise OSError("injected fault")
-            return real(*args)
+            return real(*args, **kw)
         return call
 
     if fault == "store read":

@@ -241,7 +241,7 @@ def test_a_failed_load_is_counted_with_the_chunks_vllm_recomputes(
     if fault == "missing":  # gone from the store between the lookup and the load
         worker.store.evict([keys[0]])
     else:
-        def broken(*args: Any) -> Any:
+        def broken(*args: Any, **kw: Any) -> Any:
             raise OSError("injected fault")
         monkeypatch.setattr(worker.store, "get_into", broken)
     load(worker, keys)

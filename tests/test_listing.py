@@ -23,14 +23,15 @@ OTHER = Namespace("o", SMALL_FMT)
 
 
 def build(path: Path) -> dict[str, list[bytes]]:
-    """Three namespaces, sizes that differ, two labels, some chunks moved to dram, some read."""
+    """Three namespaces, sizes that differ (each at most one chunk of SMALL_FMT), two labels, some chunks moved
+    to dram, some read."""
     tiers = {"nvme": TierConfig(capacity=1 * GiB), "dram": TierConfig(capacity=64 * MiB, path=str(path / "dram"))}
     keys: dict[str, list[bytes]] = {}
     with Store(path, StoreConfig(tiers=tiers, default_tier="nvme", segment_bytes=1 * MiB)) as s:
         for name, ns, n in (("base", BASE, 120), ("civil", CIVIL, 70), ("other", OTHER, 50)):
             s.register_namespace(ns, {"model_id": ns.model})
             keys[name] = ns.chunk_keys(list(range(n * 16)))
-            s.put_many([PutItem(k, bytes(64 + 4096 * (i % 3)), SMALL_LAYOUT, 16) for i, k in enumerate(keys[name])])
+            s.put_many([PutItem(k, bytes(64 + 4000 * (i % 3)), SMALL_LAYOUT, 16) for i, k in enumerate(keys[name])])
             time.sleep(0.01)  # namespaces written at different times: age orders them
         s.pin("doc", keys["base"][:30] + keys["civil"][:5])
         s.pin("doc", [b"\x07" * 48])  # pinned before it is stored

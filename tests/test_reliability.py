@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import content
+from conftest import content, loop_ext4
 
 from store import DiskFullError, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
 
@@ -17,20 +16,8 @@ from store import DiskFullError, KVFormat, MiB, Namespace, Store, StoreConfig, T
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """An 85 MB ext4 filesystem, loop-mounted (needs root and loop devices)."""
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("needs root and mkfs.ext4 to mount a small filesystem")
-    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["truncate", "-s", "85M", str(img)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot loop-mount a filesystem here: {r.stderr.strip()}")
-    try:
+    with loop_ext4(tmp_path) as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy (a failed test): detach
 
 
 def on_disk(store: Store) -> int:
@@ -220,7 +207,7 @@ def test_connection_cap_nesting_idle_clients_and_huge_folders(tmp_path: Path) ->
 def test_a_read_only_store_serves_lookups_on_a_read_only_filesystem(small_disk: Path) -> None:
     """A store copied to (or mounted from) read-only media: lookups and reads work (before,
     opening it failed: LMDB wanted its lock file, the tiers wanted their folders)."""
-    fmt = KVFormat("uint8", num_layers=1, num_kv_heads=1, head_dim=1, chunk_size=16)
+    fmt = KVFormat("uint8", num_layers=1, num_kv_heads=1, head_dim=256, chunk_size=16)  # 8 KiB chunks
     ns = Namespace("m", fmt)
     tokens = list(range(16 * 6))
     keys = ns.chunk_keys(tokens)

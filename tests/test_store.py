@@ -118,8 +118,10 @@ def test_put_is_idempotent_and_get_into_reuses_buffer(store: Store) -> None:
     info = store.get_into(k, out)
     assert info is not None and info.raw_bytes == CHUNK and info.tokens == 16
     assert out[:CHUNK].tobytes() == data
-    with pytest.raises(StoreError, match="smaller"):
-        store.get_into(k, bytearray(10))
+    # a buffer too small for the chunk is a miss, counted, never an exception; the chunk is
+    # kept (it may be the reader's mistake: the index records no namespace for this key)
+    assert store.get_into(k, bytearray(10)) is None
+    assert store.contains(k) and store.get_into(k, out) is not None
 
 
 def test_lookup_longest_prefix(store: Store, ns: Namespace) -> None:
