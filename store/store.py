@@ -23,6 +23,7 @@ Rules that keep it correct with several processes on one store:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -50,7 +51,7 @@ from .private import make_private_dir, tighten
 from .reads import Reads
 from .recovery import Recovery
 from .segment import SegmentIO
-from .sharing import Sharing
+from .sharing import Sharing, writer_id
 from .space import Space, TierState
 from .types import (
     Chunk,
@@ -78,6 +79,9 @@ log = logging.getLogger("lmctl.store")
 COLD_BATCH = 64
 #: hits waiting to be promoted into dram at most
 PROMOTE_QUEUE = 64
+#: the most raw bytes ``get`` takes from the remote tier for a key of a namespace it has no
+#: record of (a 256-token chunk of a 70B model's KV is under 100 MB)
+UNKNOWN_CHUNK_BOUND = 1 << 30
 
 
 class Store:
@@ -154,6 +158,7 @@ class Store:
                             threading.RLock())
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
         self._sharing: Sharing | None = None
+        self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
         self._reads.before_flush.append(self._meter_remote)
         self._share(self.config)
@@ -190,24 +195,37 @@ class Store:
         sharing = self._sharing
         return sharing is not None and sharing.tier.breaker.state != sharing.tier.breaker.OPEN
 
-    def _share(self, config: StoreConfig) -> None:
-        """Open (or, when its settings changed, reopen) the remote tier of ``config``."""
+    def _new_sharing(self, config: StoreConfig) -> Sharing | None:
+        """The remote tier ``config`` asks for (None: none, or the one open now is it);
+        ``StoreError`` if it cannot start (no secret, a secret file that fails its checks)."""
         old = self._sharing
-        if old is not None and config.remote == old.cfg:
-            return
-        if old is not None:
-            old.close()
-        self._sharing = None
-        self._writes.on_stored = None
-        if config.remote is None or self.readonly:
-            return
+        if config.remote is None or self.readonly or (old is not None and config.remote == old.cfg):
+            return None
 
         def promote(items: list[PutItem]) -> list[bool]:
             return self._writes.put_many(items, share=False)
 
-        self._sharing = Sharing(config.remote, lambda: self.codec, promote)
-        if config.remote.write == "always":
-            self._writes.on_stored = self._sharing.push
+        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path))
+
+    def _share(self, config: StoreConfig, new: Sharing | None = None) -> None:
+        """Open (or, when its settings changed, reopen) the remote tier of ``config`` (``new``:
+        made already). At open, a remote tier that cannot start is left off with one error
+        line (``stats().remote_refused`` says why): the store serves its local tiers."""
+        old = self._sharing
+        if old is not None and config.remote == old.cfg:
+            return
+        if new is None:
+            try:
+                new = self._new_sharing(config)
+            except StoreError as exc:
+                log.error("store %s: the remote tier does not start: %s", self.path, exc)
+                self._remote_refused = str(exc)
+        else:
+            self._remote_refused = None
+        if old is not None:
+            old.close()
+        self._sharing = new
+        self._writes.on_stored = new.push if new is not None and new.cfg.write == "always" else None
 
     #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
     _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
@@ -218,6 +236,7 @@ class Store:
         "hits": ("remote_reads_total", {"result": "hit"}), "misses": ("remote_reads_total", {"result": "miss"}),
         "lookups": ("remote_lookups_total", {}), "torn": ("remote_bad_values_total", {"kind": "torn"}),
         "foreign": ("remote_bad_values_total", {"kind": "foreign"}),
+        "forged": ("remote_bad_values_total", {"kind": "forged"}),
         "evicted_discovered": ("remote_bad_values_total", {"kind": "evicted"}),
         "too_small": ("remote_bad_values_total", {"kind": "too_small"}),
         "bytes_out": ("remote_bytes_total", {"direction": "out"}),
@@ -379,6 +398,7 @@ class Store:
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
         old_events_max = self.config.event_log_max
+        sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
             self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta))
             self._journal_add("config", config=config.to_json())
@@ -395,7 +415,7 @@ class Store:
                 st.cfg = config.tiers[name]
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
                 self._index.write(lambda t: self._events.trim(t))
-            self._share(config)  # before making room: a smaller tier spills as the new settings say
+            self._share(config, sharing)  # before making room: a smaller tier spills as the new settings say
             self._set_spill()
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
@@ -563,11 +583,24 @@ class Store:
         chunk = self._reads.get(key, touch)
         sharing = self._sharing
         if chunk is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, None)
+            got = sharing.fetch_into(key, None, limit=self._chunk_bound(key))
             if got is not None:
                 info, data = got
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
         return chunk
+
+    def _chunk_bound(self, key: bytes) -> int:
+        """The most raw bytes a chunk of ``key`` can have: its namespace's chunk bytes when
+        the namespace is recorded, else ``UNKNOWN_CHUNK_BOUND``."""
+        with self._index.read() as t:
+            raw = t.raw.get(key[:16], db=self._index.ns)
+            doc = None if raw is None else bytes(raw)
+        try:
+            if doc is not None:
+                return NamespaceRecord.from_record(key[:16], json.loads(doc)["namespace"]).kv_format.chunk_bytes
+        except (TypeError, ValueError, KeyError, StoreError):  # a record that cannot be read
+            pass
+        return UNKNOWN_CHUNK_BOUND
 
     def get_into(self, key: bytes, out: Buffer, touch: bool = True) -> ChunkInfo | None:
         """Read one chunk into ``out`` (a writable buffer of at least its raw size).
@@ -583,7 +616,8 @@ class Store:
             self._promote(key)
         sharing = self._sharing
         if info is None and sharing is not None and touch:
-            got = sharing.fetch_into(key, memoryview(out).cast("B"))
+            view = memoryview(out).cast("B")
+            got = sharing.fetch_into(key, view, limit=len(view))
             info = None if got is None else got[0]
         if info is not None and touch:
             m = self._reads.meter
@@ -786,7 +820,8 @@ class Store:
                     pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir,
                     pinned_chunks=counted.total(tier=name).pinned_chunks)
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
-        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats())
+        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
+                          self._remote_refused)
 
     def release_memory(self, above: int = 0) -> bool:
         """Drop the index's mapped pages from this process's resident memory when more than
