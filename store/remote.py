@@ -303,6 +303,7 @@ class _Read:
     opener: Any = None  # the decryptor of the piece being received
     gcm_tag: memoryview = field(default_factory=lambda: memoryview(bytearray(AEAD_TAG_BYTES)))
     missing: int = 0
+    asked: int = 0  # the pieces the read asked for before it knew the chunk's count
 
     @property
     def extra(self) -> int:
@@ -805,6 +806,7 @@ class RemoteTier:
                 self._count(misses=1)
                 return None
             r = got
+            r.asked = guess
             if r.kind != "absent":
                 break
         if r.head is not None:
@@ -832,7 +834,10 @@ class RemoteTier:
                            r.name, r.problem)
             return
         if r.kind in ("forged-head", "torn-head"):
-            kind, pieces = r.kind[:-5], []  # a head that does not verify names no pieces we can trust
+            # a head that does not verify tells no piece count: the names the read asked for go
+            # with it (they are this chunk's own names, and while the head is unchanged no put
+            # of ours has replaced any of them)
+            kind, pieces = r.kind[:-5], _pieces(r.tag, r.asked)
         else:
             assert r.head is not None
             kind, pieces = ("evicted_discovered" if r.kind == "missing" else r.kind), _pieces(r.tag, r.head.piece_count)
