@@ -93,17 +93,15 @@ eviction policy or ``ttl_s`` the server reclaims them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import re
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -115,10 +113,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .breaker import CircuitBreaker
-from .codec import CODEC_IDS, CODEC_NAMES
+from .codec import CODEC_IDS
 from .errors import StoreError
 from .remote_auth import (
-    AEAD_TAG_BYTES,
     MODE_MAC,
     MODE_PLAIN,
     MODE_SEALED,
@@ -128,8 +125,20 @@ from .remote_auth import (
     PieceCipher,
     Torn,
     check_trust,
-    invalid_tag,
     new_nonce,
+)
+from .remote_value import (
+    MAX_HEAD,
+    MAX_PIECE_BYTES,
+    MAX_STORED,
+    Bounds,
+    Head,
+    MiB,
+    Nonsense,
+    Read,
+    RemoteMeta,
+    pack_meta,
+    unpack_meta,
 )
 from .resp import ReplyReader, pack_gets
 
@@ -138,19 +147,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmctl.store")
 
-MiB = 1 << 20
 #: default piece size: Redis moves values of about 4 MB at full speed, larger ones slower
 PIECE_BYTES = 4 * MiB
-#: no stored payload is this large (as store/index.py's MAX_CHUNK_BYTES)
-MAX_STORED = 1 << 34
-#: Redis refuses bulk strings over proto-max-bulk-len (512 MB by default)
-MAX_PIECE_BYTES = 512 * MiB
-#: no head of ours is longer (its layout JSON is a few hundred bytes): a longer value is skipped unread
-MAX_HEAD = 64 * 1024
-# the head's metadata: stored_len, raw_len, piece_bytes, piece_count, codec, level, tokens,
-# written, writer, the payload's MAC (xxh3-64 in its first 8 bytes without a secret); then
-# the layout JSON
-_META = struct.Struct("<QQIIBhIdI32s")
 #: a read asks for at most this many pieces before it knows the chunk's piece count
 MAX_GUESS = 64
 
@@ -185,31 +183,7 @@ def _join(scheme: str, netloc: str, path: str, query: str) -> str:
     return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
-# -- metadata and statistics -----------------------------------------------------------------
-@dataclass(frozen=True)
-class RemoteMeta:
-    """What a remote chunk carries besides its stored bytes.
-
-    For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/codec.py) and its
-    ``level``, ``layout`` and ``tokens``; ``checksum`` (xxh3-64 of the stored bytes, as the
-    store's index keeps it) spares a tier without a secret hashing them again. The rest is
-    filled in by the tier: ``stored_len``, ``written`` (Unix time of the put), ``piece_bytes``
-    and ``writer`` (the id of the tier that wrote it, which its authenticated head names; 0:
-    none).
-    """
-
-    raw_len: int
-    codec: str = "raw"
-    level: int = 0
-    layout: dict[str, Any] = field(default_factory=dict)
-    tokens: int = 0
-    checksum: int | None = None
-    stored_len: int | None = None
-    written: float | None = None
-    piece_bytes: int | None = None
-    writer: int = 0
-
-
+# -- statistics ------------------------------------------------------------------------------
 @dataclass
 class RemoteStats:
     """Counters of one ``RemoteTier`` (this process only), and its breaker's state.
@@ -245,161 +219,6 @@ class RemoteStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# -- the head record -----------------------------------------------------------------------
-class _Nonsense(Exception):
-    """A verified head whose fields do not add up (a trusted writer's bug): foreign."""
-
-
-@dataclass(frozen=True)
-class _Head:
-    meta: RemoteMeta
-    stored_len: int
-    piece_bytes: int
-    piece_count: int
-    mode: int
-    nonce: bytes
-    check: bytes  # the payload's MAC (or xxh3-64)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """What a reader allows a chunk to claim, checked against its head before anything is
-    allocated: at most ``max_stored`` stored bytes, exactly ``raw_len`` raw bytes (None: any)
-    and at most ``max_raw``."""
-
-    max_stored: int
-    raw_len: int | None = None
-    max_raw: int | None = None
-
-    def problem(self, h: _Head) -> str | None:
-        raw = h.meta.raw_len
-        if h.stored_len > self.max_stored:
-            return f"it claims {h.stored_len} stored bytes, more than the {self.max_stored} this read allows"
-        if self.raw_len is not None and raw != self.raw_len:
-            return f"it claims {raw} raw bytes, not the {self.raw_len} this read expects"
-        if self.max_raw is not None and raw > self.max_raw:
-            return f"it claims {raw} raw bytes, more than the {self.max_raw} this read allows"
-        return None
-
-
-@dataclass
-class _Read:
-    """What one read found: ``kind`` is ``reading`` while the pieces arrive, then ``ok``, or
-    what made it a miss (``absent``, ``foreign``, ``forged-head``, ``torn-head``,
-    ``too_small``, ``missing`` pieces, ``torn`` or ``forged`` pieces). ``name`` is the head's
-    Redis name, ``tag`` the names' hash tag."""
-
-    kind: str
-    problem: str | None
-    name: str = ""
-    tag: str = ""
-    head_raw: bytes | None = None
-    head: _Head | None = None
-    dst: memoryview | None = None
-    check: Any = None  # the payload's MAC, updated as the bytes land
-    cipher: PieceCipher | None = None
-    opener: Any = None  # the decryptor of the piece being received
-    gcm_tag: memoryview = field(default_factory=lambda: memoryview(bytearray(AEAD_TAG_BYTES)))
-    missing: int = 0
-    asked: int = 0  # the pieces the read asked for before it knew the chunk's count
-
-    @property
-    def extra(self) -> int:
-        """Bytes a stored piece has beyond its payload (the GCM tag of an encrypted one)."""
-        return 0 if self.cipher is None else AEAD_TAG_BYTES
-
-    def piece_len(self, i: int) -> int:
-        assert self.head is not None
-        return min(self.head.piece_bytes, self.head.stored_len - i * self.head.piece_bytes)
-
-    def slot(self, i: int) -> memoryview:
-        assert self.head is not None and self.dst is not None
-        pos = i * self.head.piece_bytes
-        return self.dst[pos:pos + self.piece_len(i)]
-
-    def fail(self, kind: str, problem: str) -> None:
-        if self.kind == "reading":
-            self.kind, self.problem = kind, problem
-
-    def accept(self, i: int, reply: object) -> memoryview | None:
-        """Piece ``i``'s reply, seen by its length (an int), None or 0 (the key is gone) or
-        anything else (not a string): the slice of the buffer its payload goes to, or None
-        when it is not wanted (noted as missing or torn, or the read has already failed)."""
-        if self.kind != "reading" or self.head is None or i >= self.head.piece_count:
-            return None
-        want = self.piece_len(i) + self.extra
-        if reply is None or reply == 0:
-            self.missing += 1
-        elif not isinstance(reply, int):
-            self.fail("torn", f"piece {i} is not a string ({reply!r})")
-        elif reply != want:
-            self.fail("torn", f"piece {i} has {reply} bytes, not {want}")
-        else:
-            if self.cipher is not None:
-                self.opener = self.cipher.opener(i)
-            return self.slot(i)
-        return None
-
-    def land(self, view: memoryview) -> None:
-        """Bytes of a piece have arrived in ``view``: MAC them as stored, then decrypt them
-        in place."""
-        self.check.update(view)
-        if self.opener is not None:
-            self.opener.update_into(view, view)
-
-    def end_piece(self, i: int) -> None:
-        """An encrypted piece's GCM tag has arrived (in ``gcm_tag``): check it."""
-        self.check.update(self.gcm_tag)
-        try:
-            self.opener.finalize_with_tag(bytes(self.gcm_tag))
-        except invalid_tag():
-            self.fail("forged", f"piece {i} fails its GCM tag")
-        self.opener = None
-
-    def finish(self) -> _Read:
-        """The verdict once every piece has been received."""
-        if self.kind == "reading" and self.head is not None:
-            want = self.head.check if self.head.mode != MODE_PLAIN else self.head.check[:8]
-            if self.missing:
-                self.kind, self.problem = "missing", f"{self.missing} of {self.head.piece_count} pieces are gone"
-            elif self.check.digest() != want:
-                self.kind = "torn" if self.head.mode == MODE_PLAIN else "forged"
-                self.problem = "the payload fails its " + ("checksum" if self.head.mode == MODE_PLAIN else "MAC")
-            else:
-                self.kind = "ok"
-        self.dst = None  # the caller's buffer is not kept
-        return self
-
-
-def _pack_meta(meta: RemoteMeta, stored_len: int, piece_bytes: int, written: float, writer: int,
-               check: bytes) -> bytes:
-    layout = json.dumps(meta.layout, separators=(",", ":"), sort_keys=True).encode()
-    count = -(-stored_len // piece_bytes)
-    return _META.pack(stored_len, meta.raw_len, piece_bytes, count, CODEC_IDS[meta.codec], meta.level, meta.tokens,
-                      written, writer, check) + layout
-
-
-def _unpack_meta(raw: bytes, mode: int, nonce: bytes) -> _Head:
-    """Parse a verified head's metadata; ``_Nonsense`` if its fields do not add up."""
-    if len(raw) < _META.size:
-        raise _Nonsense("the head's metadata is too short")
-    stored_len, raw_len, piece_bytes, count, codec, level, tokens, written, writer, check = _META.unpack_from(raw, 0)
-    if codec not in CODEC_NAMES or not 0 < piece_bytes <= MAX_PIECE_BYTES or stored_len >= MAX_STORED \
-            or raw_len >= MAX_STORED or count != -(-stored_len // piece_bytes) or not math.isfinite(written) \
-            or (CODEC_NAMES[codec] == "raw" and stored_len != raw_len):
-        raise _Nonsense("the head's codec, lengths or time make no sense")
-    try:
-        layout = json.loads(raw[_META.size:] or b"{}")
-    except ValueError:
-        raise _Nonsense("the head's layout is not JSON") from None
-    if not isinstance(layout, dict):
-        raise _Nonsense("the head's layout is not a JSON object")
-    meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[codec], level=level, layout=layout, tokens=tokens,
-                      checksum=int.from_bytes(check[:8], "big") if mode == MODE_PLAIN else None,
-                      stored_len=stored_len, written=written, piece_bytes=piece_bytes, writer=writer)
-    return _Head(meta, stored_len, piece_bytes, count, mode, nonce, check)
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -658,7 +477,7 @@ class RemoteTier:
                 mac.update(p)
             check = mac.digest()
         head = keys.seal_head(self.mode, head_key, key, nonce,
-                              _pack_meta(meta, n, self.piece_bytes, time.time(), self.writer, check))
+                              pack_meta(meta, n, self.piece_bytes, time.time(), self.writer, check))
         pieces = _pieces(tag, count)
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
 
@@ -683,11 +502,11 @@ class RemoteTier:
             self._forget_pieces(key, keys, old, count)
         return True
 
-    def _open(self, key: bytes, keys: Keys, name: str, raw: bytes) -> _Head:
+    def _open(self, key: bytes, keys: Keys, name: str, raw: bytes) -> Head:
         """A head read from ``name``, verified and parsed (``Foreign``, ``Forged``, ``Torn``
-        or ``_Nonsense`` if it is not a good head of this chunk)."""
+        or ``Nonsense`` if it is not a good head of this chunk)."""
         mode, nonce, meta = keys.open_head(name, bytes(key), raw)
-        return _unpack_meta(meta, mode, nonce)
+        return unpack_meta(meta, mode, nonce)
 
     def _forget_pieces(self, key: bytes, keys: Keys, old_head: bytes, count: int) -> None:
         """Delete the pieces of the chunk a put replaced that the new one does not overwrite
@@ -695,7 +514,7 @@ class RemoteTier:
         tag = self._tag(key, keys)
         try:
             old = self._open(key, keys, tag + ":h", old_head)
-        except (Foreign, Forged, Torn, _Nonsense):
+        except (Foreign, Forged, Torn, Nonsense):
             return
         if old.piece_count > count:
             stale = _pieces(tag, old.piece_count, count)
@@ -723,7 +542,7 @@ class RemoteTier:
                 there.add(k)
                 try:
                     old = self._open(k, ring, tag + ":h", raw)
-                except (Foreign, Forged, Torn, _Nonsense):
+                except (Foreign, Forged, Torn, Nonsense):
                     continue
                 for pk in _pieces(tag, old.piece_count):
                     pipe.delete(pk)  # one key per DEL: a cluster pipeline refuses multi-key commands
@@ -798,7 +617,7 @@ class RemoteTier:
         bounds = Bounds(MAX_STORED if max_stored is None else min(MAX_STORED, max_stored), raw_len, max_raw)
         bkey = bytes(key)
         read = self._read_direct if self.direct_reads else self._read_pipelined
-        r = _Read("absent", "no such chunk")
+        r = Read("absent", "no such chunk")
         for ring in self.keyring:
             guess = self._pieces_hint
             ok, got = self._call("read", False, lambda c: read(c, bkey, ring, out, guess, bounds))
@@ -824,7 +643,7 @@ class RemoteTier:
         self._count(hits=-1, misses=1, foreign=1)
         self._warn("foreign", "chunk %s: %s; a miss", bytes(key).hex()[32:48], problem)
 
-    def _note_miss(self, key: bytes, r: _Read) -> None:
+    def _note_miss(self, key: bytes, r: Read) -> None:
         """Count (and log, and for a bad value drop from the server) what made a read a miss."""
         short = key.hex()[32:48]
         if r.kind in ("absent", "too_small", "foreign"):
@@ -848,38 +667,38 @@ class RemoteTier:
             self._warn(kind, "chunk %s at %s: %s; a miss, dropped", short, r.name, r.problem)
 
     def _open_head(self, key: bytes, ring: Keys, raw: bytes | rx.ResponseError | None,
-                   out: Buffer | Callable[[RemoteMeta], Buffer], bounds: Bounds) -> _Read:
+                   out: Buffer | Callable[[RemoteMeta], Buffer], bounds: Bounds) -> Read:
         """Verify and parse a head read from the server and get the buffer for the chunk: a
-        ``_Read`` that says what is wrong, or one with ``dst`` set."""
+        ``Read`` that says what is wrong, or one with ``dst`` set."""
         tag = self._tag(key, ring)
         name = tag + ":h"
         if raw is None:
-            return _Read("absent", "no such chunk", name, tag)
+            return Read("absent", "no such chunk", name, tag)
         if isinstance(raw, Exception):
-            return _Read("foreign", f"not a string value ({raw})", name, tag)
+            return Read("foreign", f"not a string value ({raw})", name, tag)
         try:
             head = self._open(key, ring, name, raw)
-        except (Foreign, _Nonsense) as exc:
-            return _Read("foreign", str(exc), name, tag, raw)
+        except (Foreign, Nonsense) as exc:
+            return Read("foreign", str(exc), name, tag, raw)
         except Forged as exc:
-            return _Read("forged-head", str(exc), name, tag, raw)
+            return Read("forged-head", str(exc), name, tag, raw)
         except Torn as exc:
-            return _Read("torn-head", str(exc), name, tag, raw)
+            return Read("torn-head", str(exc), name, tag, raw)
         wrong = bounds.problem(head)
         if wrong:
-            return _Read("foreign", wrong, name, tag, raw, head)
+            return Read("foreign", wrong, name, tag, raw, head)
         dst = memoryview(out(head.meta) if callable(out) else out).cast("B")
         if dst.readonly:
             raise TypeError("get_into needs a writable buffer")
         if len(dst) < head.stored_len:
-            return _Read("too_small", f"it holds {head.stored_len} stored bytes, the buffer only {len(dst)}", name,
+            return Read("too_small", f"it holds {head.stored_len} stored bytes, the buffer only {len(dst)}", name,
                          tag, raw, head)
         cipher = ring.pieces(name, key, head.nonce, head.piece_count) if head.mode == MODE_SEALED else None
-        return _Read("reading", None, name, tag, raw, head, dst[:head.stored_len],
+        return Read("reading", None, name, tag, raw, head, dst[:head.stored_len],
                      ring.payload_mac(name, key, head.nonce), cipher)
 
     def _read_direct(self, client: Any, key: bytes, ring: Keys, out: Buffer | Callable[[RemoteMeta], Buffer],
-                     guess: int, bounds: Bounds) -> _Read:
+                     guess: int, bounds: Bounds) -> Read:
         """The read on a single server: the pipeline is sent on a connection of redis-py's
         pool and its replies are read with ``ReplyReader``, pieces straight into the buffer
         (RESP2 and RESP3 answer GET alike). A connection left in an unknown state (an error,
@@ -900,7 +719,7 @@ class RemoteTier:
             n = rd.header()
             if isinstance(n, int) and n > MAX_HEAD:
                 rd.skip(n)  # never read into memory: no head of ours is that long
-                r = _Read("foreign", f"a head of {n} bytes", tag + ":h", tag)
+                r = Read("foreign", f"a head of {n} bytes", tag + ":h", tag)
             else:
                 r = self._open_head(key, ring, rd.read_bytes(n) if isinstance(n, int) else n, out, bounds)
             self._receive(rd, r, 0, guess)
@@ -918,7 +737,7 @@ class RemoteTier:
                 pool.release(conn)
 
     @staticmethod
-    def _receive(rd: ReplyReader, r: _Read, first: int, end: int) -> None:
+    def _receive(rd: ReplyReader, r: Read, first: int, end: int) -> None:
         """Read the replies for pieces ``first`` .. ``end - 1`` into ``r`` (every reply is
         consumed, whatever ``r`` has found wrong)."""
         for i in range(first, end):
@@ -935,7 +754,7 @@ class RemoteTier:
                 r.end_piece(i)
 
     def _read_pipelined(self, client: Any, key: bytes, ring: Keys, out: Buffer | Callable[[RemoteMeta], Buffer],
-                        guess: int, bounds: Bounds) -> _Read:
+                        guess: int, bounds: Bounds) -> Read:
         """The read through redis-py's pipelines (a cluster client, or a client-side cache):
         redis-py reads every reply into memory, so the head comes first and each value is
         asked for with a GETRANGE no longer than it may be (a value planted longer is cut, never
@@ -952,7 +771,7 @@ class RemoteTier:
         if isinstance(head, Exception) and not str(head).startswith("WRONGTYPE"):
             raise head
         if isinstance(head, bytes) and len(head) > MAX_HEAD:
-            return _Read("foreign", "a head longer than any of ours", tag + ":h", tag)
+            return Read("foreign", "a head longer than any of ours", tag + ":h", tag)
         r = self._open_head(key, ring, head or None, out, bounds)  # GETRANGE gives b"" for no key
         if r.kind == "reading" and r.head is not None:
             want = [r.piece_len(i) + r.extra for i in range(r.head.piece_count)]

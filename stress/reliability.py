@@ -21,6 +21,10 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   promptly on SIGTERM.
 * concurrent: clients (lookup, ls, inspect, pin, unpin, compress) with a writer process and
   the daemon's maintenance running, ending with verify --deep.
+* forged (stress/scenario_forged.py): two stores of one deployment on a real redis-server, and
+  a Redis client without the secret rewriting, swapping, truncating and forging (valid
+  checksums) values at random; every read is the exact bytes or a miss, every forged value is
+  counted forged and never promoted, untouched values are hits; ends with verify --deep.
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -462,6 +466,7 @@ def main() -> int:
         ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
+        ("forged", lambda w: topic("forged")(w, 60 if q else 600)),
     ]
     rows = []
     for name, run in plan:

@@ -35,8 +35,9 @@ from test_daemon import Daemon, cj
 from lmctl.settings import apply_settings
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.config import RemoteConfig
-from store.remote import MAX_STORED, RemoteMeta, RemoteTier, _pack_meta
+from store.remote import RemoteTier
 from store.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce, read_secret
+from store.remote_value import MAX_STORED, RemoteMeta, pack_meta
 
 N = SMALL_FMT.chunk_bytes
 NS = Namespace("public-model", SMALL_FMT)  # unsalted: anyone can compute its keys
@@ -93,7 +94,7 @@ def forge_plain(r: redis.Redis, head: str, key: bytes, payload: bytes, piece_byt
     import xxhash
 
     meta = RemoteMeta(raw_len=len(payload), layout=dict(SMALL_LAYOUT), tokens=16)
-    body = _pack_meta(meta, len(payload), piece_bytes, time.time(), 0,
+    body = pack_meta(meta, len(payload), piece_bytes, time.time(), 0,
                       xxhash.xxh3_64(payload).digest() + bytes(24))
     r.set(head, Keys.derive(None).seal_head(MODE_PLAIN, head, key, new_nonce(), body))
     tag = head[:-2]
@@ -424,7 +425,7 @@ def plant_huge_head(r: redis.Redis, tier: RemoteTier, key: bytes, keys: Keys | N
     head = tier.head_key(key, keys)
     size, piece = MAX_STORED - 1, 512 * MiB
     meta = RemoteMeta(raw_len=size, layout=dict(SMALL_LAYOUT), tokens=16)
-    body = _pack_meta(meta, size, piece, time.time(), 0, bytes(32))
+    body = pack_meta(meta, size, piece, time.time(), 0, bytes(32))
     r.set(head, keys.seal_head(MODE_MAC if keys.authenticated else MODE_PLAIN, head, key, new_nonce(), body))
 
 
