@@ -34,7 +34,9 @@ timed) after it. The patterns alternate (A B A B): their order rotates with the 
 piece size. Ratios are taken within each round (tier / plain at the same piece size, tier / the
 best plain pattern of that round, the client library's own limit on this machine, and auth and
 enc / tier at the same piece size), so drift between rounds cancels; the report gives medians
-and ranges over rounds, and the client's page faults per MiB read. The goals, at the tier's
+and ranges over rounds, the client's page faults per MiB read and its CPU time per byte (the
+figure load on a shared machine changes least: there the client's extra work for a MAC is taken
+from the server's share of the same cores). The goals, at the tier's
 best piece size: tier >= 0.9x plain; auth get >= 0.95x tier get; enc get >= 0.7x tier get. Whether
 hiredis (redis-py's C reply parser) is loaded is recorded: without it the pure-Python reply
 reader limits every GET. The load average is recorded at the start and the end.
@@ -131,13 +133,15 @@ def key(tag: int, i: int) -> bytes:
     return bytes([tag % 256]) * 16 + i.to_bytes(32, "big")
 
 
-def timed(nbytes: int, fn: Callable[[], None]) -> tuple[float, int]:
-    """(GB/s, minor page faults of this process) of ``fn``."""
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def timed(nbytes: int, fn: Callable[[], None]) -> tuple[float, int, float]:
+    """(GB/s, minor page faults, CPU ns per byte of this process) of ``fn``."""
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     fn()
     rate = nbytes / (time.perf_counter() - t0) / 1e9
-    return rate, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime) / nbytes * 1e9
+    return rate, u1.ru_minflt - u0.ru_minflt, cpu
 
 
 def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: int, mode: str,
@@ -167,13 +171,15 @@ def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: 
                 raise RuntimeError(f"RemoteTier.get_into missed: {tier.stats()}")
 
     with tier:
-        (put_rate, put_faults), (get_rate, get_faults) = timed(size * count, put), timed(size * count, get)
+        (put_rate, put_faults, put_cpu), (get_rate, get_faults, get_cpu) = timed(size * count, put), \
+            timed(size * count, get)
         st = tier.stats()
     if st.errors or st.misses or st.put_failures:
         raise RuntimeError(f"the tier counted failures: {st.to_dict()}")
     if out[:size] != src[:size]:
         raise RuntimeError("RemoteTier returned other bytes")
-    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults}
+    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults, "put_cpu": put_cpu,
+            "get_cpu": get_cpu}
 
 
 def plain_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int | None, tag: int) -> dict[str, Any]:
@@ -204,10 +210,12 @@ def plain_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int | Non
             get_one(chunk)  # the replies are dropped before the next request, as the tier's are
 
     with client:
-        (put_rate, put_faults), (get_rate, get_faults) = timed(size * count, put), timed(size * count, get)
+        (put_rate, put_faults, put_cpu), (get_rate, get_faults, get_cpu) = timed(size * count, put), \
+            timed(size * count, get)
         if b"".join(get_one(names[-1])) != src[:size]:
             raise RuntimeError("plain GET returned other bytes")
-    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults}
+    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults, "put_cpu": put_cpu,
+            "get_cpu": get_cpu}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +250,7 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
     client = srv.client()
     res: dict[str, list[float]] = {}
     faults: dict[str, list[int]] = {}
+    cpu: dict[str, list[float]] = {}  # the client's CPU time per byte: what load on the machine changes least
     hiredis: set[bool] = set()
 
     def run(label: str, side: str, piece: int | None, r: int) -> None:
@@ -251,6 +260,7 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
         for d in ("put", "get"):
             res.setdefault(f"{label}_{d}", []).append(m[d])
             faults.setdefault(f"{label}_{d}", []).append(m[f"{d}_faults"])
+            cpu.setdefault(f"{label}_{d}", []).append(m[f"{d}_cpu"])
 
     try:
         client.flushdb()
@@ -276,6 +286,7 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
     result: dict[str, Any] = {"chunk_bytes": size, "chunks_per_round": count, "medians_gbps": med,
                               "spread_gbps": {k: [min(v), max(v)] for k, v in res.items()},
                               "rounds_gbps": res, "hiredis_in_workers": sorted(hiredis),
+                              "client_cpu_ns_per_byte": {k: statistics.median(v) for k, v in cpu.items()},
                               "page_faults_per_mib": {k: statistics.median(v) / (size * count / MiB)
                                                       for k, v in faults.items()}}
     for d in ("put", "get"):
@@ -390,7 +401,8 @@ def report(result: dict[str, Any], say: Callable[[str], None] = print) -> None:
                 f"({g['plain_best_pattern']}) {_rng(r['range_best'])}: "
                 f"{'met' if g['goal_met'] else 'NOT met'} (>= {result['goal']})")
     say(f"{'shape':<18}{'piece':>6}" + "".join(f"{f'{m} {d}':>10}{'x tier':>7} {'[range]':<12}"
-                                               for d in ("put", "get") for m in MODE_GOALS))
+                                               for d in ("put", "get") for m in MODE_GOALS)
+        + f"{'get cpu ns/B tier auth enc':>28}")
     for name, s in result["shapes"].items():
         med = s["medians_gbps"]
         label = f"{name} {s['chunk_bytes'] / MiB:.1f}M"
@@ -401,10 +413,13 @@ def report(result: dict[str, Any], say: Callable[[str], None] = print) -> None:
                     g = s[d]["modes"][m]
                     row += (f"{med[f'{m}_p{p}_{d}']:>10.2f}{g['vs_tier_same_pieces'][str(p)]:>7.2f} "
                             f"{_rng(g['range'][str(p)]):<12}")
+            cpu = s["client_cpu_ns_per_byte"]
+            row += "".join(f"{cpu[f'{m}_p{p}_get']:>8.3f}" for m in ("tier", *MODE_GOALS))
             say(f"{label:<18}{f'{p} MiB':>6}{row}")
             label = ""
     say("(auth: with a deployment secret, values under keyed BLAKE3 MACs; enc: and AES-256-GCM pieces; "
-        "x tier: median of the per-round ratio to the tier without a secret at the same piece size)")
+        "x tier: median of the per-round ratio to the tier without a secret at the same piece size; get cpu: the "
+        "client's CPU time per byte read, medians)")
     for name, s in result["shapes"].items():
         g = s["get"]
         best = g["tier_best_piece_mib"]

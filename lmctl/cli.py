@@ -661,8 +661,8 @@ def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
     def body() -> None:
         r = {"path": new_secret(path), "bytes": SECRET_BYTES, "mode": "0600"}
         term.emit(r, lambda t, r: t.console().print(
-            f"wrote a new remote secret to {r['path']} (mode 0600); set remote.secret_file={r['path']} on every "
-            "store that shares the tier"))
+            f"wrote a new remote secret to {path} (mode 0600); set remote.secret_file to it on every store that "
+            "shares the tier"))
 
     term.run(body)
 
