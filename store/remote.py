@@ -58,7 +58,7 @@ A read is one round trip: the head and the pieces in one pipeline, as many piece
 chunk this tier read had (a chunk with more takes a second round trip for the rest; keys that do
 not exist cost the server next to nothing). On a single server the replies are read from the
 socket by ``store/resp.py``, each piece received straight into the caller's buffer and its MAC
-(and decryption) computed as its bytes land; through a cluster client the head comes first
+(or its decryption) computed as its bytes land; through a cluster client the head comes first
 (bounded GETRANGEs, a second round trip) and redis-py's replies are copied. The head must
 verify, its lengths must be within what the caller allows (``max_stored``, ``raw_len``,
 ``max_raw``: checked before anything is allocated), every piece present and of the right
@@ -116,6 +116,7 @@ from .breaker import CircuitBreaker
 from .codec import CODEC_IDS
 from .errors import StoreError
 from .remote_auth import (
+    AEAD_TAG_BYTES,
     MODE_MAC,
     MODE_PLAIN,
     MODE_SEALED,
@@ -473,8 +474,8 @@ class RemoteTier:
             check = csum.to_bytes(8, "big") + bytes(24)
         else:
             mac = keys.payload_mac(head_key, key, nonce)
-            for p in parts:  # the bytes as stored (encrypted pieces with their tags)
-                mac.update(p)
+            for p in parts:  # the pieces; encrypted, their GCM tags (which authenticate them)
+                mac.update(memoryview(p)[-AEAD_TAG_BYTES:] if self.mode == MODE_SEALED else p)
             check = mac.digest()
         head = keys.seal_head(self.mode, head_key, key, nonce,
                               pack_meta(meta, n, self.piece_bytes, time.time(), self.writer, check))

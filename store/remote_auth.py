@@ -10,8 +10,9 @@ four keys (BLAKE3's key derivation, one context string each):
   chunk (to test it with EXISTS, or to plant a value there);
 * the *MAC* key: keyed BLAKE3 (a collision-resistant MAC, about 5 GB/s a core here) over the
   head (its Redis name, the namespace id, the chunk key and every head byte) and, separately,
-  over the payload as stored (its name, namespace id, chunk key, the value's nonce, every piece
-  in order), the payload's tag inside the head;
+  over the payload (its name, namespace id, chunk key, the value's nonce, then every piece in
+  order, or with ``encrypt`` every piece's GCM tag, which authenticates that piece), the
+  payload's tag inside the head;
 * the *metadata* key: the head's fields (lengths, times, codec, layout, tokens, writer) are
   encrypted with a keystream ``BLAKE3-XOF(metadata key, nonce)`` under the MAC (encrypt then
   MAC), so a reader without the secret learns none of them;
@@ -219,8 +220,9 @@ class Keys:
 
     # -- payloads --------------------------------------------------------------------------
     def payload_mac(self, name: str, key: bytes, nonce: bytes) -> Any:
-        """An incremental check of a payload as stored (``update``, ``digest``): keyed BLAKE3
-        bound to the chunk and the value's nonce; xxh3-64 without a secret."""
+        """An incremental check of a payload (``update``, ``digest``): keyed BLAKE3 bound to
+        the chunk and the value's nonce, over the pieces (encrypted: over their GCM tags);
+        xxh3-64 without a secret."""
         if not self.authenticated:
             return xxhash.xxh3_64()
         h = _blake3().blake3(key=self.mac_key)

@@ -5,7 +5,7 @@
 and raw lengths, piece size and count, codec and level, tokens, write time, the writer's id,
 the payload's MAC and the layout JSON. ``Bounds`` are what a reader allows a head to claim,
 checked before anything is allocated. ``Read`` is one read in progress: it takes each
-piece's reply as it arrives (its length first, then its bytes, MAC'd and decrypted in place
+piece's reply as it arrives (its length first, then its bytes, MAC'd, or decrypted in place,
 as they land) and gives the verdict. store/remote.py, the client, does the talking.
 """
 
@@ -152,14 +152,16 @@ class Read:
         return None
 
     def land(self, view: memoryview) -> None:
-        """Bytes of a piece have arrived in ``view``: MAC them as stored, then decrypt them
-        in place."""
-        self.check.update(view)
-        if self.opener is not None:
+        """Bytes of a piece have arrived in ``view``: MAC them, or (encrypted) decrypt them in
+        place (its GCM tag authenticates them)."""
+        if self.opener is None:
+            self.check.update(view)
+        else:
             self.opener.update_into(view, view)
 
     def end_piece(self, i: int) -> None:
-        """An encrypted piece's GCM tag has arrived (in ``gcm_tag``): check it."""
+        """An encrypted piece's GCM tag has arrived (in ``gcm_tag``): check it, and MAC it
+        (the payload's MAC covers the pieces' tags in order)."""
         self.check.update(self.gcm_tag)
         try:
             self.opener.finalize_with_tag(bytes(self.gcm_tag))
