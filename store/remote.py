@@ -101,6 +101,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,7 @@ from .remote_value import (
     MAX_STORED,
     Bounds,
     Head,
+    Lane,
     MiB,
     Nonsense,
     Read,
@@ -152,6 +154,11 @@ log = logging.getLogger("lmctl.store")
 PIECE_BYTES = 4 * MiB
 #: a read asks for at most this many pieces before it knows the chunk's piece count
 MAX_GUESS = 64
+#: reads of at least this many stored bytes MAC and decrypt on a lane (a helper thread; at most
+#: LANES reads at once, others wait for one), overlapping with the receive, where the process
+#: may run on at least LANE_CPUS cores (with two, the helper takes the core the Redis server or
+#: the engine needs: measured, checking inline costs less CPU there)
+LANE_MIN, LANES, LANE_CPUS = 1 << 20, 4, 4
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,100}")
 _SECRET_QUERY_KEYS = {"password", "pass", "passwd", "auth", "ssl_password", "token", "secret"}
@@ -290,6 +297,8 @@ class RemoteTier:
         self._last_warn: dict[str, float] = {}
         self._closed = False
         self._pieces_hint = 1  # the piece count of the last chunk read: how many pieces a read asks for
+        self._lanes: ThreadPoolExecutor | None = None  # where reads MAC and decrypt (remote_value.Lane)
+        self.use_lanes = len(os.sched_getaffinity(0)) >= LANE_CPUS
         #: reads receive pieces straight into the caller's buffer (single server; see _read_direct)
         self.direct_reads = not self.cluster
 
@@ -357,6 +366,9 @@ class RemoteTier:
         with self._client_lock:
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
+            lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.shutdown(wait=True)
         for c in clients:
             try:
                 c.close()
@@ -696,7 +708,18 @@ class RemoteTier:
                          tag, raw, head)
         cipher = ring.pieces(name, key, head.nonce, head.piece_count) if head.mode == MODE_SEALED else None
         return Read("reading", None, name, tag, raw, head, dst[:head.stored_len],
-                     ring.payload_mac(name, key, head.nonce), cipher)
+                    ring.payload_mac(name, key, head.nonce), cipher,
+                    lane=self._lane() if self.use_lanes and head.mode != MODE_PLAIN and head.stored_len >= LANE_MIN
+                    else None)
+
+    def _lane(self) -> Lane | None:
+        """A lane for a read's MAC and decryption (None: none can start, the tier is closed)."""
+        with self._client_lock:
+            if self._closed:
+                return None
+            if self._lanes is None:
+                self._lanes = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="lmctl-remote-check")
+            return Lane(self._lanes)
 
     def _read_direct(self, client: Any, key: bytes, ring: Keys, out: Buffer | Callable[[RemoteMeta], Buffer],
                      guess: int, bounds: Bounds) -> Read:
@@ -706,6 +729,7 @@ class RemoteTier:
         a timeout, a push message among the replies) is closed."""
         pool = client.connection_pool
         conn = pool.get_connection()
+        r: Read | None = None
         try:
             sock = conn._get_socket()
             if sock is None or getattr(pool, "cache", None) is not None:
@@ -732,6 +756,8 @@ class RemoteTier:
         except BaseException:
             if conn is not None:
                 conn.disconnect()
+            if r is not None:
+                r.settle()  # no check may touch the caller's buffer once the read has ended
             raise
         finally:
             if conn is not None:
@@ -774,18 +800,22 @@ class RemoteTier:
         if isinstance(head, bytes) and len(head) > MAX_HEAD:
             return Read("foreign", "a head longer than any of ours", tag + ":h", tag)
         r = self._open_head(key, ring, head or None, out, bounds)  # GETRANGE gives b"" for no key
-        if r.kind == "reading" and r.head is not None:
-            want = [r.piece_len(i) + r.extra for i in range(r.head.piece_count)]
-            got = ranges(list(zip(_pieces(tag, len(want)), want, strict=True)))
-            for i, piece in enumerate(got):
-                view = r.accept(i, len(piece) if isinstance(piece, bytes) else piece)
-                if view is not None:
-                    view[:] = piece[:len(view)]
-                    r.land(view)
-                    if r.cipher is not None:
-                        r.gcm_tag[:] = piece[len(view):]
-                        r.end_piece(i)
-        return r.finish()
+        try:
+            if r.kind == "reading" and r.head is not None:
+                want = [r.piece_len(i) + r.extra for i in range(r.head.piece_count)]
+                got = ranges(list(zip(_pieces(tag, len(want)), want, strict=True)))
+                for i, piece in enumerate(got):
+                    view = r.accept(i, len(piece) if isinstance(piece, bytes) else piece)
+                    if view is not None:
+                        view[:] = piece[:len(view)]
+                        r.land(view)
+                        if r.cipher is not None:
+                            r.gcm_tag[:] = piece[len(view):]
+                            r.end_piece(i)
+            return r.finish()
+        except BaseException:
+            r.settle()  # no check may touch the caller's buffer once the read has ended
+            raise
 
     def _drop_if_unchanged(self, head_key: str, head_raw: bytes, pieces: list[str]) -> bool | None:
         """Delete a bad chunk if its head is still ``head_raw`` (a writer may have replaced

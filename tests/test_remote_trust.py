@@ -519,3 +519,54 @@ def test_a_promoted_chunk_keeps_its_provenance(hosts: Callable[..., Store], tmp_
     with Store(tmp_path / "b") as s:
         assert s.info(k) is None
         assert s.put(k, content(k, N), SMALL_LAYOUT, 16) and (s.info(k) or info).origin is None
+
+
+# -- large values: checks on a helper thread (a lane) or inline ------------------------------------
+@pytest.mark.parametrize("encrypt", [False, True])
+@pytest.mark.parametrize("lanes", [False, True])
+def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[..., Store], encrypt: bool,
+                                                             lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value of several MiB is MAC'd (or decrypted) as it lands, inline or on a helper thread
+    (where the process has the cores for one): the same verdicts either way, and a read cut off
+    in the middle leaves nothing running on the caller's buffer."""
+    import store.resp as resp
+
+    srv = hosts.srv  # type: ignore[attr-defined]
+    r = srv.client()
+    size, pb = 3 << 20, 1 << 20
+    t = RemoteTier(srv.url, key_prefix="big", secret_file=hosts.secret, encrypt=encrypt, piece_bytes=pb)  # type: ignore[attr-defined]
+    t.use_lanes = lanes
+    try:
+        k = b"\x05" * 48
+        data = content(k, size)
+
+        def put() -> None:
+            assert t.put(k, data, RemoteMeta(raw_len=size))
+
+        put()
+        out = bytearray(size)
+        assert t.get_into(k, out) is not None and bytes(out) == data
+        assert (t._lanes is not None) == lanes
+        p = t.piece_keys(k, 3)[1]
+        v = bytearray(r.get(p) or b"")
+        v[12345] ^= 0x40
+        r.set(p, bytes(v))
+        assert t.get_into(k, out) is None and t.stats().forged == 1 and r.dbsize() == 0
+        put()
+        real = resp.ReplyReader.read_into
+        calls = [0]
+
+        def cut(self: Any, dst: memoryview, land: Any = None, end: bool = True) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise redis.ConnectionError("cut off")
+            real(self, dst, land, end)
+
+        monkeypatch.setattr(resp.ReplyReader, "read_into", cut)
+        assert t.get_into(k, out) is None and t.stats().errors == 1
+        monkeypatch.setattr(resp.ReplyReader, "read_into", real)
+        assert t.get_into(k, out) is not None and bytes(out) == data
+    finally:
+        t0 = time.monotonic()
+        t.close()  # no lane is left waiting
+        assert time.monotonic() - t0 < 5
