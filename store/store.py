@@ -214,14 +214,13 @@ class Store:
         old = self._sharing
         if old is not None and config.remote == old.cfg:
             return
+        self._remote_refused = None
         if new is None:
             try:
                 new = self._new_sharing(config)
             except StoreError as exc:
                 log.error("store %s: the remote tier does not start: %s", self.path, exc)
                 self._remote_refused = str(exc)
-        else:
-            self._remote_refused = None
         if old is not None:
             old.close()
         self._sharing = new

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from test_cli import lmctl
 from test_daemon import Daemon, cj
 
 from lmctl.settings import apply_settings
-from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
+from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError
 from store.config import RemoteConfig
 from store.remote import RemoteTier
 from store.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce, read_secret
@@ -43,29 +43,6 @@ N = SMALL_FMT.chunk_bytes
 NS = Namespace("public-model", SMALL_FMT)  # unsalted: anyone can compute its keys
 TOKENS = list(range(16 * 4))
 PREFIX = "test"
-
-
-@pytest.fixture
-def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:
-    """Stores on two "machines" (two folders), one Redis server, one deployment secret:
-    ``host(name, secret=..., previous=None, encrypt=False, promote=True)``."""
-    srv = servers()
-    opened: list[Store] = []
-    secret = str(secret_file(tmp_path))
-
-    def host(name: str, *, secret: str | None = secret, previous: str | None = None, encrypt: bool = False,
-             promote: bool = True, trust: str | None = None) -> Store:
-        remote = RemoteConfig(srv.url, key_prefix=PREFIX, promote=promote, secret_file=secret,
-                              previous_secret_file=previous, encrypt=encrypt, trust=trust)
-        s = Store(tmp_path / name, StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)}, remote=remote))
-        opened.append(s)
-        return s
-
-    host.srv = srv  # type: ignore[attr-defined]
-    host.secret = secret  # type: ignore[attr-defined]
-    yield host
-    for s in opened:
-        s.close()
 
 
 def remote(s: Store) -> dict[str, Any]:
@@ -130,7 +107,7 @@ def commands_of(r: redis.Redis, fn: Callable[[], object]) -> list[str]:
 def test_a_forged_value_with_valid_checksums_is_a_miss_counted_forged_dropped_and_never_served(
         hosts: Callable[..., Store]) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     k, ok = NS.chunk_keys(TOKENS)[:2]
     evil = bytes(N)  # the attacker's KV: all zeros
     # 1. the pieces rewritten under a head the writer made (its MAC is good, the payload's fails)
@@ -160,7 +137,7 @@ def test_a_forged_value_with_valid_checksums_is_a_miss_counted_forged_dropped_an
 # -- (b) a value swapped in from another chunk ------------------------------------------------------
 def test_a_value_swapped_from_another_chunk_is_forged(hosts: Callable[..., Store]) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     k1, k2 = NS.chunk_keys(TOKENS)[:2]
     assert a.put(k1, content(k1, N), SMALL_LAYOUT, 16) and a.put(k2, content(k2, N), SMALL_LAYOUT, 16)
     h1, h2 = heads(r)
@@ -186,7 +163,7 @@ def test_a_value_swapped_from_another_chunk_is_forged(hosts: Callable[..., Store
 # -- (c) a value planted where anyone can compute a name ------------------------------------------
 def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hosts: Callable[..., Store]) -> None:
     b = hosts("b")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     keys = NS.chunk_keys(TOKENS)  # the chunks of a public model's unsalted system prompt
     planted = []
     for k in keys:
@@ -194,7 +171,7 @@ def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hos
                      f"{PREFIX}:{{{Keys.derive(None).tag(k)}}}:h"):  # those of a tier without a secret
             forge_plain(r, head, k, bytes(N))
             planted.append(head[:-2])
-    seen = commands_of(hosts.srv.client(), lambda: (  # type: ignore[attr-defined]
+    seen = commands_of(hosts.redis.client(), lambda: (  # type: ignore[attr-defined]
         b.lookup(NS, TOKENS), [b.get(k) for k in keys], b.get_into(keys[0], bytearray(N))))
     assert seen and not [c for c in seen if any(p in c for p in planted)]  # never even asked for
     assert b.lookup(NS, TOKENS).hit_tokens == 0
@@ -205,7 +182,7 @@ def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hos
 # -- (d) names and heads reveal nothing -------------------------------------------------------------
 def test_names_reveal_neither_documents_nor_salts_and_heads_no_metadata(hosts: Callable[..., Store]) -> None:
     a = hosts("a")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     salted = Namespace("public-model", SMALL_FMT, cache_salt="tenant-7")
     keys = salted.chunk_keys(TOKENS)
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys]))
@@ -233,8 +210,8 @@ def test_names_reveal_neither_documents_nor_salts_and_heads_no_metadata(hosts: C
 def test_rotation_reads_both_secrets_writes_the_new_one_and_forgets_the_old(hosts: Callable[..., Store],
                                                                           tmp_path: Path) -> None:
     old, new = hosts.secret, str(secret_file(tmp_path, "new.secret"))  # type: ignore[attr-defined]
-    a = hosts("a", secret=old)
-    b = hosts("b", secret=old, promote=False)
+    a = hosts("a", secret_file=old)
+    b = hosts("b", secret_file=old, promote=False)
     k1, k2, k3 = NS.chunk_keys(TOKENS)[:3]
     assert a.put(k1, content(k1, N), SMALL_LAYOUT, 16)
 
@@ -265,7 +242,7 @@ def test_rotation_reads_both_secrets_writes_the_new_one_and_forgets_the_old(host
 def test_encrypted_values_hold_no_plaintext_and_pieces_cannot_be_swapped_or_reordered(
         hosts: Callable[..., Store], servers: Callable[..., Server]) -> None:
     a, b = hosts("a", encrypt=True), hosts("b", encrypt=True)
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     k = NS.chunk_keys(TOKENS)[0]
     known = content(k, N)
     assert a.put(k, known, SMALL_LAYOUT, 16)
@@ -277,7 +254,7 @@ def test_encrypted_values_hold_no_plaintext_and_pieces_cannot_be_swapped_or_reor
     # pieces of one value reordered, or one taken from another value: forged
     pb = 4096
     tier = tier_of(a)
-    t = RemoteTier(hosts.srv.url, key_prefix="enc", secret_file=hosts.secret, encrypt=True,  # type: ignore[attr-defined]
+    t = RemoteTier(hosts.redis.url, key_prefix="enc", secret_file=hosts.secret, encrypt=True,  # type: ignore[attr-defined]
                    piece_bytes=pb)
     try:
         def put(i: int) -> bytes:
@@ -315,7 +292,7 @@ def one_line(exc: pytest.ExceptionInfo[StoreError]) -> str:
 
 def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted(
         hosts: Callable[..., Store], tmp_path: Path) -> None:
-    url = hosts.srv.url  # type: ignore[attr-defined]
+    url = hosts.redis.url  # type: ignore[attr-defined]
     with pytest.raises(StoreError) as e:
         RemoteConfig(url).validate()
     assert "has no secret" in one_line(e) and "lmctl remote secret PATH" in one_line(e)
@@ -337,16 +314,16 @@ def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "lmctl remote secret" in r.stderr
     # trust = "all-writers": it starts, and trusts every writer: a forged value with valid
     # checksums is served (what the operator guide says this setting means)
-    a, b = hosts("a", secret=None, trust="all-writers"), hosts("b", secret=None, trust="all-writers")
+    a, b = hosts("a", secret_file=None, trust="all-writers"), hosts("b", secret_file=None, trust="all-writers")
     k = NS.chunk_keys(TOKENS)[0]
     assert a.put(k, content(k, N), SMALL_LAYOUT, 16)
-    rc = hosts.srv.client()  # type: ignore[attr-defined]
+    rc = hosts.redis.client()  # type: ignore[attr-defined]
     [head] = heads(rc)
     forge_plain(rc, head.decode(), k, bytes(N))
     got = b.get(k)
     assert got is not None and bytes(got.data) == bytes(N) and remote(b)["trust"] == "all-writers"
     # settings an older lmctl recorded without a secret: the store opens, its remote tier stays off
-    c = hosts("c", secret=None, trust="all-writers")
+    c = hosts("c", secret_file=None, trust="all-writers")
     insecure = StoreConfig.from_json(c.config.to_json())
     assert insecure.remote is not None
     insecure.remote.trust = None
@@ -431,7 +408,7 @@ def plant_huge_head(r: redis.Redis, tier: RemoteTier, key: bytes, keys: Keys | N
 
 def test_a_16_GiB_head_claim_allocates_nothing(hosts: Callable[..., Store], tmp_path: Path) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     k, other = NS.chunk_keys(TOKENS)[:2]
     plant_huge_head(r, tier_of(a), k)
     tracemalloc.start()
@@ -453,7 +430,7 @@ def test_a_16_GiB_head_claim_allocates_nothing(hosts: Callable[..., Store], tmp_
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 from store.remote import RemoteTier
-t = RemoteTier({hosts.srv.url!r}, key_prefix={PREFIX!r}, secret_file={hosts.secret!r})
+t = RemoteTier({hosts.redis.url!r}, key_prefix={PREFIX!r}, secret_file={hosts.secret!r})
 assert t.get({k!r}, max_stored={N}) is None
 assert t.get_into({k!r}, bytearray({N})) is None
 st = t.stats()
@@ -467,8 +444,8 @@ print("refused")
 
 def test_a_16_GiB_head_claim_without_a_secret_allocates_nothing(hosts: Callable[..., Store]) -> None:
     """Without a secret any client can write a head whose checksum is good: bounded all the same."""
-    b = hosts("b", secret=None, trust="all-writers")
-    r = hosts.srv.client()  # type: ignore[attr-defined]
+    b = hosts("b", secret_file=None, trust="all-writers")
+    r = hosts.redis.client()  # type: ignore[attr-defined]
     k = NS.chunk_keys(TOKENS)[0]
     plant_huge_head(r, tier_of(b), k)
     tracemalloc.start()
@@ -531,7 +508,7 @@ def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[...
     in the middle leaves nothing running on the caller's buffer."""
     import store.resp as resp
 
-    srv = hosts.srv  # type: ignore[attr-defined]
+    srv = hosts.redis  # type: ignore[attr-defined]
     r = srv.client()
     size, pb = 3 << 20, 1 << 20
     t = RemoteTier(srv.url, key_prefix="big", secret_file=hosts.secret, encrypt=encrypt, piece_bytes=pb)  # type: ignore[attr-defined]

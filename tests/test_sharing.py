@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import SMALL_FMT, SMALL_LAYOUT, content
-from redis_server import Server, secret_file
+from redis_server import Server
 
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.config import RemoteConfig
@@ -17,27 +18,6 @@ from store.config import RemoteConfig
 N = SMALL_FMT.chunk_bytes
 NS = Namespace("shared-model", SMALL_FMT)
 TOKENS = list(range(16 * 6))
-
-
-@pytest.fixture
-def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:
-    """Stores on two "machines" (two folders), both on one Redis server."""
-    redis = servers()
-    opened: list[Store] = []
-    secret = str(secret_file(tmp_path))  # one deployment: every host has its secret
-
-    def host(name: str, write: str = "always", url: str | None = None, prefix: str = "test") -> Store:
-        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
-                          remote=RemoteConfig(url or redis.url, key_prefix=prefix, write=write, secret_file=secret))
-        s = Store(tmp_path / name, cfg)
-        opened.append(s)
-        return s
-
-    host.redis = redis  # type: ignore[attr-defined]
-    host.secret = secret  # type: ignore[attr-defined]
-    yield host
-    for s in opened:
-        s.close()
 
 
 def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Callable[..., Store]) -> None:
@@ -126,7 +106,6 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     lookup, 5 ms of waiting in the scheduler): the near half gets generous ones, so what it
     checks is that the answer comes in the same call, not how fast this machine is."""
     from types import SimpleNamespace
-    from typing import Any
 
     import engine_hook.scheduler as scheduler_mod
     from engine_hook.config import ConnectorSettings
