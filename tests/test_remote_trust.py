@@ -130,6 +130,8 @@ def test_a_forged_value_with_valid_checksums_is_a_miss_counted_forged_dropped_an
     out = bytearray(N)
     assert b.get_into(ok, out) is not None and bytes(out) == content(ok, N)
     assert b.check(deep=True) == []
+    cells = b.metric_cells()
+    assert [c.value for c in cells if c.name == "remote_bad_values_total" and c.labels == {"kind": "forged"}] == [2]
     r.flushall()
     assert b.get(k) is None and b.locate([k]) == [None]  # nothing of it stayed behind
 
@@ -332,6 +334,26 @@ def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted
     with Store(tmp_path / "c") as c2:
         assert not c2.has_remote and "has no secret" in (c2.stats().remote_refused or "")
         assert c2.put(k, content(k, N), SMALL_LAYOUT, 16) and c2.get(k) is not None  # local tiers serve
+
+
+def test_trust_settings_by_name_and_in_a_config_file(hosts: Callable[..., Store], tmp_path: Path) -> None:
+    from lmctl.settings import read_config_file
+
+    url, secret = hosts.redis.url, hosts.secret  # type: ignore[attr-defined]
+    cfg = apply_settings(StoreConfig(), {"remote.url": url, "remote.secret_file": secret,
+                                         "remote.previous_secret_file": secret, "remote.encrypt": "yes"})
+    assert cfg.remote is not None and (cfg.remote.secret_file, cfg.remote.previous_secret_file, cfg.remote.encrypt,
+                                       cfg.remote.trust) == (secret, secret, True, None)
+    cfg = apply_settings(cfg, {"remote.secret_file": "none", "remote.previous_secret_file": "",
+                               "remote.encrypt": "false", "remote.trust": "all-writers"})
+    assert cfg.remote is not None and (cfg.remote.secret_file, cfg.remote.trust) == (None, "all-writers")
+    toml = tmp_path / "lmctl.toml"
+    toml.write_text(f'[remote]\nurl = "{url}"\nsecret_file = "{secret}"\nencrypt = true\n')
+    _daemon, changes = read_config_file(str(toml))
+    cfg = apply_settings(StoreConfig(), changes)
+    assert cfg.remote is not None and cfg.remote.encrypt and cfg.remote.secret_file == secret
+    with pytest.raises(StoreError, match="remote.secret_file must be a string"):
+        apply_settings(StoreConfig(), {"remote.url": url, "remote.secret_file": 7})
 
 
 def test_the_secret_file_must_be_private_regular_and_hold_a_secret(tmp_path: Path,
