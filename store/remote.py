@@ -45,10 +45,11 @@ operations is one node's round trip)::
     <prefix>:{<name tag>}:<i>    piece i of the stored bytes, piece_bytes each (the last one
                                  shorter); encrypted, each is followed by its 16-byte GCM tag
 
-The head (remote_auth.py frames it) holds in clear only its format, a random nonce and the
-length of its metadata; the metadata (stored and raw lengths, piece size and count, codec and
-level, tokens, write time, the writer's id, the payload's MAC, the layout JSON) is encrypted
-under the secret, and the whole head is under a MAC bound to its name and chunk key. A put
+The head (remote_auth.py frames it; remote_value.py lays out its metadata and follows a read
+as it arrives) holds in clear only its format, a random nonce and the length of its metadata;
+the metadata (stored and raw lengths, piece size and count, codec and level, tokens, write
+time, the writer's id, the payload's MAC, the layout JSON) is encrypted under the secret, and
+the whole head is under a MAC bound to its name and chunk key. A put
 reads the old head, writes the pieces and then the new head in one MULTI/EXEC transaction
 sent as one pipeline (one round trip): a chunk appears whole or not at all, and an OOM refusal
 of any piece aborts all of it, so a full server keeps no partial chunks. If the chunk it
