@@ -1,4 +1,5 @@
-"""Remote tier benchmark: put and get through RemoteTier next to plain redis-py, in one run.
+"""Remote tier benchmark: put and get through RemoteTier (unauthenticated, authenticated and
+encrypted) next to plain redis-py, in one run.
 
     .venv/bin/python benchmarks/remote_io.py [--rounds 3] [--total-mib 512] [--pieces 1,4,8,32] [--json]
 
@@ -15,7 +16,13 @@ the same bytes) through each of:
          head; the xxh3 checksum given, as the store passes it from its index), then
          ``RemoteTier.get_into`` of every chunk into a reused buffer (one round trip: the
          head and the pieces in one pipeline; each piece received from the socket straight
-         into the buffer, the whole verified), ``piece_bytes`` = each of --pieces
+         into the buffer, the whole verified), ``piece_bytes`` = each of --pieces; without a
+         secret (``trust="all-writers"``: xxh3 checksums only, as before values were
+         authenticated)
+  auth   the same with a deployment secret: the head and the payload under keyed BLAKE3
+         MACs (computed by put; by get as the pieces land, not in a second pass)
+  enc    the same with ``encrypt=True`` too: every piece AES-256-GCM, decrypted in place as
+         it lands
   plain  redis-py on the same bytes: per chunk, one pipeline (no transaction) of SETs of the
          chunk cut into the same pieces, then per chunk one pipeline of GETs of them (the
          replies as redis-py returns them: no copy, no check); and, as a third pattern, the
@@ -23,11 +30,14 @@ the same bytes) through each of:
 
 Each put/get pair runs in a fresh Python process (see ``measure``: redis-py's reply buffers
 make a GET's cost depend on the allocator's history), and the server is emptied (FLUSHDB, not
-timed) after it. Tier and plain alternate: which goes first flips with the round and the piece
-size. Ratios are taken within each round (tier / plain at the same piece size, and tier / the
-best plain pattern of that round, the client library's own limit on this machine), so drift
-between rounds cancels; the report gives medians and ranges over rounds, and the client's page
-faults per MiB read. The goal is tier >= 0.9x plain at the tier's best piece size. Whether
+timed) after it. The patterns alternate (A B A B): their order rotates with the round and the
+piece size. Ratios are taken within each round (tier / plain at the same piece size, tier / the
+best plain pattern of that round, the client library's own limit on this machine, and auth and
+enc / tier at the same piece size), so drift between rounds cancels; the report gives medians
+and ranges over rounds, the client's page faults per MiB read and its CPU time per byte (the
+figure load on a shared machine changes least: there the client's extra work for a MAC is taken
+from the server's share of the same cores). The goals, at the tier's
+best piece size: tier >= 0.9x plain; auth get >= 0.95x tier get; enc get >= 0.7x tier get. Whether
 hiredis (redis-py's C reply parser) is loaded is recorded: without it the pure-Python reply
 reader limits every GET. The load average is recorded at the start and the end.
 """
@@ -63,6 +73,9 @@ from store.remote import RemoteMeta, RemoteTier  # noqa: E402
 
 MiB = 1 << 20
 GOAL = 0.9
+#: the goals of the authenticated and the encrypted get, against the unauthenticated one
+MODE_GOALS = {"auth": 0.95, "enc": 0.7}
+SIDES = ("tier", "auth", "enc", "plain")
 
 
 # -- the server ----------------------------------------------------------------------------
@@ -120,17 +133,21 @@ def key(tag: int, i: int) -> bytes:
     return bytes([tag % 256]) * 16 + i.to_bytes(32, "big")
 
 
-def timed(nbytes: int, fn: Callable[[], None]) -> tuple[float, int]:
-    """(GB/s, minor page faults of this process) of ``fn``."""
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def timed(nbytes: int, fn: Callable[[], None]) -> tuple[float, int, float]:
+    """(GB/s, minor page faults, CPU ns per byte of this process) of ``fn``."""
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     fn()
     rate = nbytes / (time.perf_counter() - t0) / 1e9
-    return rate, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime) / nbytes * 1e9
+    return rate, u1.ru_minflt - u0.ru_minflt, cpu
 
 
-def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: int) -> dict[str, Any]:
-    """put and get of ``count`` chunks through a RemoteTier with ``piece``-byte pieces."""
+def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: int, mode: str,
+              secret: str) -> dict[str, Any]:
+    """put and get of ``count`` chunks through a RemoteTier with ``piece``-byte pieces, in
+    ``mode`` tier (no secret), auth or enc."""
     data = memoryview(src)[:size]
     out = mmap.mmap(-1, size)  # a reused buffer, as an engine's staging buffer
     out[:] = b"\0" * size  # touched before the clock starts, as a reused one is
@@ -139,7 +156,9 @@ def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: 
     # (store/sharing.py); without it put would hash the bytes first (xxh3, about 26 GB/s a core)
     meta = RemoteMeta(raw_len=size, layout={"dtype": "bfloat16", "shape": [size // 2]}, tokens=256,
                       checksum=xxhash.xxh3_64_intdigest(data))
-    tier = RemoteTier(url, key_prefix="bench", piece_bytes=piece, io_timeout_s=30)
+    trust: dict[str, Any] = {"trust": "all-writers"} if mode == "tier" else {"secret_file": secret,
+                                                                             "encrypt": mode == "enc"}
+    tier = RemoteTier(url, key_prefix="bench", piece_bytes=piece, io_timeout_s=30, **trust)
 
     def put() -> None:
         for k in keys:
@@ -152,13 +171,15 @@ def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: 
                 raise RuntimeError(f"RemoteTier.get_into missed: {tier.stats()}")
 
     with tier:
-        (put_rate, put_faults), (get_rate, get_faults) = timed(size * count, put), timed(size * count, get)
+        (put_rate, put_faults, put_cpu), (get_rate, get_faults, get_cpu) = timed(size * count, put), \
+            timed(size * count, get)
         st = tier.stats()
     if st.errors or st.misses or st.put_failures:
         raise RuntimeError(f"the tier counted failures: {st.to_dict()}")
     if out[:size] != src[:size]:
         raise RuntimeError("RemoteTier returned other bytes")
-    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults}
+    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults, "put_cpu": put_cpu,
+            "get_cpu": get_cpu}
 
 
 def plain_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int | None, tag: int) -> dict[str, Any]:
@@ -189,10 +210,12 @@ def plain_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int | Non
             get_one(chunk)  # the replies are dropped before the next request, as the tier's are
 
     with client:
-        (put_rate, put_faults), (get_rate, get_faults) = timed(size * count, put), timed(size * count, get)
+        (put_rate, put_faults, put_cpu), (get_rate, get_faults, get_cpu) = timed(size * count, put), \
+            timed(size * count, get)
         if b"".join(get_one(names[-1])) != src[:size]:
             raise RuntimeError("plain GET returned other bytes")
-    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults}
+    return {"put": put_rate, "get": get_rate, "put_faults": put_faults, "get_faults": get_faults, "put_cpu": put_cpu,
+            "get_cpu": get_cpu}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -200,8 +223,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     size = spec["size"]
     src = mmap.mmap(-1, size)
     fill_bf16(src, size, 7)
-    if spec["side"] == "tier":
-        m = tier_pair(spec["url"], src, size, spec["count"], spec["piece"], spec["tag"])
+    if spec["side"] != "plain":
+        m = tier_pair(spec["url"], src, size, spec["count"], spec["piece"], spec["tag"], spec["side"], spec["secret"])
     else:
         m = plain_pair(spec["url"], src, size, spec["count"], spec["piece"], spec["tag"])
     return {**m, "hiredis": bool(redis.utils.HIREDIS_AVAILABLE)}
@@ -221,20 +244,23 @@ def measure(**spec: Any) -> dict[str, Any]:
 
 
 # -- one shape ---------------------------------------------------------------------------------
-def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, pieces: list[int]) -> dict[str, Any]:
+def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, pieces: list[int],
+                secret: str) -> dict[str, Any]:
     count = max(1, total // size)
     client = srv.client()
     res: dict[str, list[float]] = {}
     faults: dict[str, list[int]] = {}
+    cpu: dict[str, list[float]] = {}  # the client's CPU time per byte: what load on the machine changes least
     hiredis: set[bool] = set()
 
     def run(label: str, side: str, piece: int | None, r: int) -> None:
-        m = measure(side=side, url=srv.url, size=size, count=count, piece=piece, tag=r)
+        m = measure(side=side, url=srv.url, size=size, count=count, piece=piece, tag=r, secret=secret)
         client.flushdb()
         hiredis.add(m["hiredis"])
         for d in ("put", "get"):
             res.setdefault(f"{label}_{d}", []).append(m[d])
             faults.setdefault(f"{label}_{d}", []).append(m[f"{d}_faults"])
+            cpu.setdefault(f"{label}_{d}", []).append(m[f"{d}_cpu"])
 
     try:
         client.flushdb()
@@ -242,7 +268,8 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
             if r % 2 == 0:
                 run("plain_whole", "plain", None, r)
             for j, p in enumerate(pieces):
-                for side in ("tier", "plain") if (r + j) % 2 == 0 else ("plain", "tier"):
+                turn = (r + j) % len(SIDES)  # A B A B: each pattern takes each place in turn
+                for side in SIDES[turn:] + SIDES[:turn]:
                     run(f"{side}_p{p}", side, p * MiB, r)
             if r % 2 == 1:
                 run("plain_whole", "plain", None, r)
@@ -259,6 +286,7 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
     result: dict[str, Any] = {"chunk_bytes": size, "chunks_per_round": count, "medians_gbps": med,
                               "spread_gbps": {k: [min(v), max(v)] for k, v in res.items()},
                               "rounds_gbps": res, "hiredis_in_workers": sorted(hiredis),
+                              "client_cpu_ns_per_byte": {k: statistics.median(v) for k, v in cpu.items()},
                               "page_faults_per_mib": {k: statistics.median(v) / (size * count / MiB)
                                                       for k, v in faults.items()}}
     for d in ("put", "get"):
@@ -270,8 +298,15 @@ def bench_shape(srv: Server, name: str, size: int, total: int, rounds: int, piec
                                  "vs_plain_best": statistics.median(limit), "range_best": [min(limit), max(limit)]}
         best = max(pieces, key=lambda p: med[f"tier_p{p}_{d}"])
         plain_best = max((k for k in med if k.startswith("plain") and k.endswith(d)), key=med.__getitem__)
+        modes: dict[str, dict[str, Any]] = {}
+        for mode, goal in MODE_GOALS.items():
+            per = {str(p): ratio(f"{mode}_p{p}_{d}", f"tier_p{p}_{d}") for p in pieces}
+            modes[mode] = {"vs_tier_same_pieces": {k: statistics.median(v) for k, v in per.items()},
+                           "range": {k: [min(v), max(v)] for k, v in per.items()}, "goal": goal,
+                           # at the tier's best piece size, as the store would run
+                           "goal_met": statistics.median(per[str(best)]) >= goal}
         result[d] = {"ratios": per_piece, "tier_best_piece_mib": best, "plain_best_pattern": plain_best[6:-4],
-                     "goal_met": per_piece[str(best)]["vs_plain_same_pieces"] >= GOAL}
+                     "goal_met": per_piece[str(best)]["vs_plain_same_pieces"] >= GOAL, "modes": modes}
     return result
 
 
@@ -294,12 +329,15 @@ def main() -> None:
     load_start = os.getloadavg()
     t0 = time.monotonic()
     folder = Path(tempfile.mkdtemp(prefix="lmctl-rbench-"))
+    secret = folder / "remote.secret"  # as lmctl remote secret makes one
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
     try:
         srv = Server(args.redis_server, folder, maxmemory=2 * args.total_mib * MiB + 256 * MiB)
         try:
             info = srv.client().info("server")
             shapes = {name: bench_shape(srv, name, chunk_bytes(*SHAPES[name]), args.total_mib * MiB, args.rounds,
-                                        pieces)
+                                        pieces, str(secret))
                       for name in args.shapes.split(",")}
         finally:
             srv.stop()
@@ -362,6 +400,34 @@ def report(result: dict[str, Any], say: Callable[[str], None] = print) -> None:
                 f"same pieces {_rng(r['range'])}, {r['vs_plain_best']:.2f}x the best plain pattern "
                 f"({g['plain_best_pattern']}) {_rng(r['range_best'])}: "
                 f"{'met' if g['goal_met'] else 'NOT met'} (>= {result['goal']})")
+    say(f"{'shape':<18}{'piece':>6}" + "".join(f"{f'{m} {d}':>10}{'x tier':>7} {'[range]':<12}"
+                                               for d in ("put", "get") for m in MODE_GOALS)
+        + f"{'get cpu ns/B tier auth enc':>28}")
+    for name, s in result["shapes"].items():
+        med = s["medians_gbps"]
+        label = f"{name} {s['chunk_bytes'] / MiB:.1f}M"
+        for p in result["pieces_mib"]:
+            row = ""
+            for d in ("put", "get"):
+                for m in MODE_GOALS:
+                    g = s[d]["modes"][m]
+                    row += (f"{med[f'{m}_p{p}_{d}']:>10.2f}{g['vs_tier_same_pieces'][str(p)]:>7.2f} "
+                            f"{_rng(g['range'][str(p)]):<12}")
+            cpu = s["client_cpu_ns_per_byte"]
+            row += "".join(f"{cpu[f'{m}_p{p}_get']:>8.3f}" for m in ("tier", *MODE_GOALS))
+            say(f"{label:<18}{f'{p} MiB':>6}{row}")
+            label = ""
+    say("(auth: with a deployment secret, values under keyed BLAKE3 MACs; enc: and AES-256-GCM pieces; "
+        "x tier: median of the per-round ratio to the tier without a secret at the same piece size; get cpu: the "
+        "client's CPU time per byte read, medians)")
+    for name, s in result["shapes"].items():
+        g = s["get"]
+        best = g["tier_best_piece_mib"]
+        for m, v in g["modes"].items():
+            r = v["vs_tier_same_pieces"][str(best)]
+            say(f"goal get {name} {m}: at the tier's best piece size {best} MiB {r:.2f}x the get without a secret "
+                f"{_rng(v['range'][str(best)])}: {'met' if v['goal_met'] else 'NOT met'} (>= {v['goal']})")
+
 
 if __name__ == "__main__":
     main()

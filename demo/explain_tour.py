@@ -354,7 +354,9 @@ def tour(d: Demo) -> None:
         d.say("the store gets a remote tier (a redis-server); the minutes are moved there")
         url = d.start_redis()
         print(f"$ redis-server --port {d.redis_port} --save '' --appendonly no &")
-        d.lmctl("config", "set", f"remote.url={url}", keep="last")
+        d.lmctl("remote", "secret", "remote.secret")
+        # a path relative to the daemon's folder (the work folder), so no temporary path is shown
+        d.lmctl("config", "set", f"remote.url={url}", "remote.secret_file=remote.secret", keep="last")
         d.lmctl("move", "--to", "remote", "--model", "smol", "--tokens", minutes)
         d.lmctl("lookup", "--model", "smol", "--tokens", minutes, keep="summary")
         d.say("the redis-server stops")

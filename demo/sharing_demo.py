@@ -37,14 +37,15 @@ import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imp
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
 from demo.vllm_demo import SERVED_NAME, chat_messages, chat_prompt, document, ttft  # noqa: E402
-from tests.redis_server import Server, free_port  # noqa: E402
+from tests.redis_server import Server, free_port, secret_file  # noqa: E402
 
 LMCTL = str(Path(sys.executable).with_name("lmctl"))
 
 
-def engine(model: Path, store: Path, url: str) -> Engine:
+def engine(model: Path, store: Path, url: str, secret: Path) -> Engine:
     return Engine(model, store, max_model_len=4096, served_model_name=SERVED_NAME,
-                  connector={"remote_url": url, "remote_key_prefix": "demo", "load_policy": "always"})
+                  connector={"remote_url": url, "remote_key_prefix": "demo", "remote_secret_file": str(secret),
+                             "load_policy": "always"})
 
 
 def shell(work: Path, *args: str) -> None:
@@ -94,6 +95,7 @@ def main() -> None:
         redis = Server(Path(tmp))
         redis.wait(redis.client)
         url = redis.url
+        secret = secret_file(Path(tmp))  # the deployment's secret, as `lmctl remote secret PATH` makes one
         print(f"redis-server on {url} (empty); document: "
               f"{len(tok(chat_prompt(tok, doc, ''))['input_ids'])} tokens\n")
         try:
@@ -101,12 +103,12 @@ def main() -> None:
             expected = ttft(reference, chat_prompt(tok, doc, q2), civil, max_tokens=16)[2]
             reference.close()
 
-            host1 = engine(model, share / "host1", url)
+            host1 = engine(model, share / "host1", url, secret)
             dt, cached, _ = ttft(host1, chat_prompt(tok, doc, q1), civil)
             print(f"host 1, adapter civil, question 1: {dt:.2f} s to the first token, {cached} cached tokens")
             host1.close()
 
-            host2 = engine(model, share / "host2", url)
+            host2 = engine(model, share / "host2", url, secret)
             ttft(host2, chat_prompt(tok, "A short warm-up.", "Hi"), None)
             dt, cached, text = ttft(host2, chat_prompt(tok, doc, q2), civil, max_tokens=16)
             print(f"host 2, adapter civil, question 2: {dt:.2f} s to the first token, {cached} cached tokens "

@@ -21,6 +21,8 @@ LAYOUTS = ("BHNC", "2BNHD", "B2NHD", "B2HND")
 MAX_CHUNK_SIZE = 1 << 16
 #: each queued save holds one chunk-sized staging buffer, allocated up front
 MAX_SAVE_QUEUE = 1024
+#: the remote tier's trust settings (``remote_X`` sets the store's ``remote.X``; the boolean last)
+_REMOTE_TRUST = ("remote_secret_file", "remote_previous_secret_file", "remote_trust", "remote_encrypt")
 
 
 #: where default dram folders live: tmpfs, shared by every user (sticky, like /tmp)
@@ -64,6 +66,10 @@ class ConnectorSettings:
     remote_url: str | None = None
     remote_key_prefix: str | None = None
     remote_write: str | None = None
+    remote_secret_file: str | None = None
+    remote_previous_secret_file: str | None = None
+    remote_encrypt: bool | None = None
+    remote_trust: str | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -79,7 +85,7 @@ class ConnectorSettings:
         chunk = _whole(extra.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1, MAX_CHUNK_SIZE)
         queue = _whole(extra.get("save_queue", 16), "save_queue", 1, MAX_SAVE_QUEUE)
         for key in ("model_id", "kv_layout", "codec", "on_load_error", "load_policy", "remote_url",
-                    "remote_key_prefix", "remote_write", "dram_path"):
+                    "remote_key_prefix", "remote_write", "dram_path", *_REMOTE_TRUST[:-1]):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise StoreError(f"{key} must be a string, not {extra[key]!r}")
         codec = extra.get("codec")
@@ -98,11 +104,18 @@ class ConnectorSettings:
         load_policy = str(extra.get("load_policy", "auto"))
         if load_policy not in POLICIES:
             raise StoreError(f"load_policy must be one of {', '.join(POLICIES)}, not {load_policy!r}")
+        encrypt = extra.get("remote_encrypt")
+        if encrypt is not None and not isinstance(encrypt, bool):
+            raise StoreError(f"remote_encrypt must be true or false, not {encrypt!r}")
         if extra.get("remote_url") is not None:
-            RemoteConfig(str(extra["remote_url"]), key_prefix=str(extra.get("remote_key_prefix") or "lmctl"),
-                         write=str(extra.get("remote_write") or "always")).validate()
-        elif extra.get("remote_key_prefix") is not None or extra.get("remote_write") is not None:
-            raise StoreError("remote_key_prefix and remote_write need remote_url")
+            try:
+                RemoteConfig(str(extra["remote_url"]), key_prefix=str(extra.get("remote_key_prefix") or "lmctl"),
+                             write=str(extra.get("remote_write") or "always"),
+                             **{k[7:]: extra[k] for k in _REMOTE_TRUST if extra.get(k) is not None}).validate()
+            except StoreError as exc:  # the store's setting names, as the connector spells them
+                raise StoreError(str(exc).replace("remote.", "remote_")) from None
+        elif any(extra.get(k) is not None for k in ("remote_key_prefix", "remote_write", *_REMOTE_TRUST)):
+            raise StoreError(f"remote_key_prefix, remote_write and {', '.join(_REMOTE_TRUST)} need remote_url")
         layout = extra.get("kv_layout")
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
@@ -114,6 +127,9 @@ class ConnectorSettings:
             on_load_error=policy, kv_layout=layout, load_policy=load_policy,
             remote_url=extra.get("remote_url") or None, remote_key_prefix=extra.get("remote_key_prefix") or None,
             remote_write=extra.get("remote_write") or None,
+            remote_secret_file=extra.get("remote_secret_file") or None,
+            remote_previous_secret_file=extra.get("remote_previous_secret_file") or None,
+            remote_encrypt=encrypt, remote_trust=extra.get("remote_trust") or None,
             dram_capacity=None if extra.get("dram_capacity") is None else parse_capacity(extra["dram_capacity"],
                                                                                          "dram_capacity"),
             dram_path=extra.get("dram_path") or None,
@@ -151,6 +167,11 @@ class ConnectorSettings:
                 cfg.remote.key_prefix = self.remote_key_prefix
             if self.remote_write is not None:
                 cfg.remote.write = self.remote_write
+            if self.remote_secret_file is not None or self.remote_trust is not None:
+                cfg.remote.secret_file = cfg.remote.trust = None  # the connector says whom to trust, not the store
+            for name in _REMOTE_TRUST:  # given: the connector's; else what the store has for this URL
+                if getattr(self, name) is not None:
+                    setattr(cfg.remote, name[7:], getattr(self, name))
             cfg.validate()
         if cfg.to_json() != store.config.to_json():
             store.configure(cfg)

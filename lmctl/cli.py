@@ -273,9 +273,13 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
             f"write amplification {r['store']['write_amplification']:.4f}")
     rm = r["store"].get("remote")
     if rm:
-        c.print(f"remote {rm['url']} (prefix {rm['key_prefix']}, write {rm['write']}): breaker {rm['breaker']}  "
+        c.print(f"remote {rm['url']} (prefix {rm['key_prefix']}, write {rm['write']}, trust {rm['trust']}"
+                f"{', rotating' if rm['rotating'] else ''}, writer {rm['writer']}): breaker {rm['breaker']}  "
                 f"puts {rm['puts']}  hits {rm['hits']}  misses {rm['misses']}  errors {rm['errors']}  "
-                f"evicted found {rm['evicted_discovered']}  (this daemon's calls)")
+                f"forged {rm['forged']}  foreign {rm['foreign']}  evicted found {rm['evicted_discovered']}  "
+                "(this daemon's calls)")
+    if r["store"].get("remote_refused"):
+        c.print(f"[bold red]remote tier not started[/bold red]: {r['store']['remote_refused']}")
     for j in r["jobs"]:
         c.print(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
 
@@ -647,6 +651,31 @@ def completion_install(ctx: typer.Context, shell_name: Annotated[str | None, typ
     def body() -> None:
         for line in completion.install(shell_name, os.path.expanduser("~"), os.environ.get("SHELL", "bash")):
             term.echo(line)
+
+    term.run(body)
+
+
+# -- the remote tier's secret -----------------------------------------------------------------
+remote_app = typer.Typer(help="The shared remote tier (Redis): its deployment secret.", no_args_is_help=True)
+app.add_typer(remote_app, name="remote")
+
+
+@remote_app.command("secret")
+def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
+        metavar="PATH", help="the file to create (it must not exist)")]) -> None:
+    """Generate a deployment secret (32 random bytes, hex, a new file of mode 0600); no daemon needed.
+
+    Give it to every store of the deployment as remote.secret_file (copy it to each host
+    over a private channel)."""
+    from .secret import SECRET_BYTES, new_secret
+
+    term = Terminal.of(ctx)
+
+    def body() -> None:
+        r = {"path": new_secret(path), "bytes": SECRET_BYTES, "mode": "0600"}
+        term.emit(r, lambda t, r: t.console().print(
+            f"wrote a new remote secret to {path} (mode 0600); set remote.secret_file to it on every store that "
+            "shares the tier"))
 
     term.run(body)
 

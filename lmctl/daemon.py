@@ -705,6 +705,7 @@ class Daemon:
                       "refused_saves": st.store.refused_saves, "tiers": stats.to_dict()["tiers"],
                       "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
-                      "codec": st.store.config.codec, "remote": stats.remote},
+                      "codec": st.store.config.codec, "remote": stats.remote,
+                      "remote_refused": stats.remote_refused},
             "jobs": jobs,
         }

@@ -58,7 +58,7 @@ CELLS: dict[str, str] = {
     "remote_puts_total": "Chunks put to the remote tier, by result (stored, failed).",
     "remote_reads_total": "Chunk reads from the remote tier, by result (hit, miss).",
     "remote_lookups_total": "Chunk keys looked up in the remote tier.",
-    "remote_bad_values_total": "Remote values found unusable, by kind (torn, foreign, evicted, too_small).",
+    "remote_bad_values_total": "Remote values found unusable, by kind (forged, torn, foreign, evicted, too_small).",
     "remote_bytes_total": "Stored bytes moved to (out) and from (in) the remote tier.",
 }
 

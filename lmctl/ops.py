@@ -391,7 +391,8 @@ def _info_json(c: ChunkInfo, names: dict[bytes, tuple[str, str | None]]) -> dict
     return {"key": c.key.hex(), "tier": c.tier, "codec": c.codec, "level": c.level or None, "bytes": c.stored_bytes,
             "raw_bytes": c.raw_bytes, "disk_bytes": c.disk_bytes, "tokens": c.tokens, "hits": c.hits,
             "pins": c.pin_refs, "created": c.created, "last_access": c.last_access,
-            "model": model, "adapter": adapter, "layout": c.layout}
+            "model": model, "adapter": adapter, "layout": c.layout,
+            "origin": None if c.origin is None else c.origin.to_dict()}
 
 
 def _names(store: Store) -> dict[bytes, tuple[str, str | None]]:

@@ -26,7 +26,7 @@ STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", 
 TIER_KEYS = ("capacity", "path", "pin_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
-               "password_file")
+               "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group",
                "metrics")
@@ -41,6 +41,13 @@ def _duration(value: Any, name: str) -> float:
         return parse_duration(str(value))
     except ValueError as exc:
         raise StoreError(f"{name}: {exc}") from None
+
+
+def _text(value: Any, name: str) -> str:
+    """A path or a word from operator input ("none" and "" say: not set)."""
+    if not isinstance(value, str):
+        raise StoreError(f"{name} must be a string, not {value!r}")
+    return "" if value.strip().lower() in ("", "none") else value.strip()
 
 
 def _bool(value: Any, name: str) -> bool:
@@ -159,10 +166,10 @@ def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
     r = cfg.remote
     if field in ("url", "key_prefix", "write"):
         setattr(r, field, str(value))
-    elif field == "password_file":
-        r.password_file = str(value) or None
-    elif field == "promote":
-        r.promote = _bool(value, name)
+    elif field in ("password_file", "secret_file", "previous_secret_file", "trust"):
+        setattr(r, field, _text(value, name) or None)  # "" (or "none") removes it
+    elif field in ("promote", "encrypt"):
+        setattr(r, field, _bool(value, name))
     elif field == "piece_bytes":
         r.piece_bytes = parse_unit_size(value, name)
     else:

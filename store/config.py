@@ -50,7 +50,13 @@ class RemoteConfig:
     writer's thread, never the engine's), ``evict`` puts the chunks that eviction takes from
     the last local tier, ``never`` only reads from it (``move --to remote`` still puts). A
     chunk found only there is read, verified and, with ``promote``,
-    stored locally. Keys are namespaced by ``key_prefix`` (one per deployment)."""
+    stored locally. Keys are namespaced by ``key_prefix`` (one per deployment).
+
+    ``secret_file``: the deployment secret (a 0600 file; ``lmctl remote secret PATH`` makes
+    one): values carry its MAC and names are keyed with it. ``previous_secret_file``: the
+    secret it replaces, still read (never written) during a rotation. ``encrypt``: encrypt
+    the pieces too (AES-256-GCM). Without a secret the tier starts only with ``trust =
+    "all-writers"``: every client that can write to the prefix is trusted."""
 
     url: str
     key_prefix: str = "lmctl"
@@ -60,6 +66,10 @@ class RemoteConfig:
     lookup_timeout_s: float = 0.05
     io_timeout_s: float = 2.0
     password_file: str | None = None
+    secret_file: str | None = None
+    previous_secret_file: str | None = None
+    encrypt: bool = False
+    trust: str | None = None
 
     def validate(self) -> None:
         if not any(self.url.startswith(s) for s in ("redis://", "rediss://", "unix://")):
@@ -70,6 +80,9 @@ class RemoteConfig:
             raise StoreError(f"the remote tier's write policy must be one of {', '.join(REMOTE_WRITES)}")
         if self.piece_bytes < 64 << 10 or self.lookup_timeout_s <= 0 or self.io_timeout_s <= 0:
             raise StoreError("the remote tier needs piece_bytes >= 64KiB and positive timeouts")
+        from .remote_auth import check_trust
+
+        check_trust(self.key_prefix, self.secret_file, self.previous_secret_file, self.encrypt, self.trust)
 
 
 @dataclass

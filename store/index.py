@@ -70,6 +70,7 @@ from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexReopened, IndexWriteError, ReadOnlyError, StoreError, is_read_only
 from .private import DIR_MODE
 from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
+from .types import Origin
 
 if TYPE_CHECKING:
     from .events import EventLog
@@ -84,12 +85,17 @@ GROW_AT = 0.5
 #: a commit left to ``Index.sync_soon`` (engine puts) is synced this long after it, at most
 SYNC_SOON_S = 1.0
 FORMAT_VERSION = 2
+#: ``Entry.origin``: a chunk this store's engines computed, or one promoted from the remote tier
+ORIGIN_LOCAL, ORIGIN_REMOTE = 0, 1
 #: formats this lmctl opens (a format-1 store gets its counts built at its first writable open)
 FORMATS = (1, 2)
 
 # chunks: key -> entry (+ layout JSON)
 _ENTRY_HEAD = "<6Q2IB"  # seg, off, rec_len, stored_len, raw_len, checksum; tokens, hits; codec
-_ENTRY = struct.Struct(_ENTRY_HEAD + "BB5xdd")  # then tier, level, padding, created, last_access
+# then tier, level, origin (0: computed here, 1: promoted from the remote tier), the writer id
+# the remote head named, created, last_access (origin and writer were 5 bytes of padding: an
+# entry written before they were is an entry of a chunk computed here)
+_ENTRY = struct.Struct(_ENTRY_HEAD + "BBBIdd")
 ENTRY_TIER_OFFSET = struct.calcsize(_ENTRY_HEAD)  # the tier byte, read without unpacking an entry
 ENTRY_CODEC_OFFSET = struct.calcsize(_ENTRY_HEAD[:-1])  # the codec byte, likewise
 ENTRY_SIZE = _ENTRY.size  # the packed part of an entry (its layout JSON follows)
@@ -204,11 +210,13 @@ class Entry:
     last_access: float
     layout: dict[str, Any]
     level: int = 0  # the codec level it was encoded at (0: raw, or written before levels were recorded)
+    origin: int = 0  # ORIGIN_LOCAL or ORIGIN_REMOTE
+    writer: int = 0  # of a chunk from the remote tier: the writer id its head named (0: none)
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.seg, self.off, self.rec_len, self.stored_len, self.raw_len,
                            self.checksum, self.tokens, self.hits, self.codec, self.tier, self.level,
-                           self.created, self.last_access) + json.dumps(
+                           self.origin, self.writer, self.created, self.last_access) + json.dumps(
                                self.layout, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -221,11 +229,12 @@ class Entry:
             raise CorruptEntry(f"unreadable index entry: {exc}") from None
         if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not isinstance(layout, dict):
             raise CorruptEntry(f"index entry names tier {f[9]} and codec {f[8]}")
-        if not (0 <= f[11] < 1.8e10 and 0 <= f[12] < 1.8e10):  # NaN fails too
+        if not (0 <= f[13] < 1.8e10 and 0 <= f[14] < 1.8e10):  # NaN fails too
             raise CorruptEntry("index entry has impossible times")
         if max(f[2], f[3], f[4]) >= MAX_CHUNK_BYTES or f[1] % ALIGN or f[2] % ALIGN:
             raise CorruptEntry("index entry has impossible lengths or offsets")
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[11], f[12], layout, f[10])
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[13], f[14], layout, f[10], f[11],
+                   f[12])
 
     @classmethod
     def read(cls, raw: bytes | memoryview) -> Entry | None:
@@ -240,6 +249,11 @@ class Entry:
         return TIER_NAMES[self.tier]
 
 
+def origin_of(e: Entry) -> Origin | None:
+    """Where the chunk of ``e`` came from (None: computed by this store's engines)."""
+    return None if e.origin == ORIGIN_LOCAL else Origin("remote", e.writer, e.created)
+
+
 @functools.cache
 def entry_dtype() -> Any:
     """The packed part of an entry as a numpy record (for passes that decode many at once)."""
@@ -247,7 +261,7 @@ def entry_dtype() -> Any:
 
     dt = np.dtype([("seg", "<u8"), ("off", "<u8"), ("rec", "<u8"), ("stored", "<u8"), ("raw", "<u8"),
                    ("checksum", "<u8"), ("tokens", "<u4"), ("hits", "<u4"), ("codec", "u1"), ("tier", "u1"),
-                   ("level", "u1"), ("pad", "V5"), ("created", "<f8"), ("last", "<f8")])
+                   ("level", "u1"), ("origin", "u1"), ("writer", "<u4"), ("created", "<f8"), ("last", "<f8")])
     assert dt.itemsize == _ENTRY.size
     return dt
 
@@ -264,7 +278,7 @@ def entry_head(raw: bytes | memoryview) -> tuple[int, int, int, int, int] | None
     n = len(raw)
     if n > _ENTRY.size and (raw[_ENTRY.size] != 0x7B or raw[n - 1] != 0x7D):  # { ... }
         return None
-    if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not (0 <= f[11] < 1.8e10 and 0 <= f[12] < 1.8e10):
+    if f[9] not in TIER_NAMES or f[8] not in CODEC_NAMES or not (0 <= f[13] < 1.8e10 and 0 <= f[14] < 1.8e10):
         return None
     if max(f[2], f[3], f[4]) >= MAX_CHUNK_BYTES or f[1] % ALIGN or f[2] % ALIGN:
         return None

@@ -33,6 +33,7 @@ from .index import (
     entry_delta,
     lru_chunk,
     lru_key,
+    origin_of,
     trailer_mismatch,
     unpack_counts,
 )
@@ -89,7 +90,7 @@ def agrees(key: bytes, e: Entry, trailer: RecordTrailer | None) -> None:
 def chunk_info(key: bytes, e: Entry, refs: int) -> ChunkInfo:
     return ChunkInfo(key, e.tier_name, CODEC_NAMES.get(e.codec, str(e.codec)), e.stored_len,
                      e.raw_len, e.rec_len, e.tokens, e.hits, e.created, e.last_access, refs,
-                     e.layout, e.seg, e.off, e.level)
+                     e.layout, e.seg, e.off, e.level, origin_of(e))
 
 
 class Reads:

@@ -28,6 +28,8 @@ from .index import (
     ENTRY_SIZE,
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
+    ORIGIN_LOCAL,
+    ORIGIN_REMOTE,
     SEG_OPEN,
     SEG_SEALED,
     Entry,
@@ -697,7 +699,7 @@ class Recovery:
                             continue
                         e = Entry(sid, off, tr.record_len, tr.stored_len, tr.raw_len, tr.checksum,
                                   int(tr.meta.get("tokens", 0)), 0, tr.codec, st.tid, tr.created,
-                                  tr.created, tr.meta.get("layout", {}))
+                                  tr.created, tr.meta.get("layout", {}), 0, *_origin_of(tr.meta))
                         t.index_entry(tr.key, e, _prefix_of(tr.meta))
                         n += 1
                     return n
@@ -748,6 +750,15 @@ class Recovery:
                     "from the metadata journal: the settings, %d namespace record(s), %d label(s) with %d pin(s)%s",
                     self.path, found, len(state["namespaces"]), len(state["labels"]) - failed, pinned,
                     f"; {failed} label(s) could not be pinned again" if failed else "")
+
+
+def _origin_of(meta: Any) -> tuple[int, int]:
+    """``Entry.origin`` and ``Entry.writer`` from what a record's trailer says of its origin."""
+    o = meta.get("origin") if isinstance(meta, dict) else None
+    if not isinstance(o, dict) or o.get("tier") != "remote":
+        return ORIGIN_LOCAL, 0
+    w = o.get("writer")
+    return ORIGIN_REMOTE, w if isinstance(w, int) and 0 <= w < 1 << 32 else 0
 
 
 def _prefix_of(meta: Any) -> bytes | None:

@@ -3,25 +3,33 @@
 Several engine instances on several machines share chunks through one server. This module is
 self-contained: it stores and fetches the *stored* bytes of a chunk (already encoded by the
 caller's codec) with their metadata, and verifies them; decoding, the index and the choice of
-tier stay with the caller. It needs redis-py (``pip install 'lmctl[remote]'``).
+tier stay with the caller. It needs redis-py, blake3 and, to encrypt, cryptography
+(``pip install 'lmctl[remote]'``).
 
 API::
 
-    tier = RemoteTier("redis://cache:6379/0", key_prefix="prod-a", password_file="/etc/lmctl/redis.pass")
+    tier = RemoteTier("redis://cache:6379/0", key_prefix="prod-a", secret_file="/etc/lmctl/remote.secret",
+                      password_file="/etc/lmctl/redis.pass")
     tier.put(key, stored, RemoteMeta(raw_len=..., codec="raw", layout=..., tokens=256)) -> bool
-    tier.get_into(key, out) -> RemoteMeta | None     # out: a writable buffer, or meta -> buffer
-    tier.get(key) -> tuple[RemoteMeta, bytearray] | None
+    tier.get_into(key, out, max_stored=...) -> RemoteMeta | None   # out: a writable buffer, or meta -> buffer
+    tier.get(key, max_stored=...) -> tuple[RemoteMeta, bytearray] | None
     tier.contains_many(keys) -> list[bool]           # one pipelined round trip
     tier.delete(keys) -> int                         # chunks removed
     tier.stats() -> RemoteStats                      # counters, breaker state, bytes in/out
     tier.close()
     redacted(url) -> str                             # the URL with its password replaced by ***
 
-No call raises for anything the server does (down, slow, full, foreign data): a failed
-``put`` returns False, a failed read is a miss (None, or False in ``contains_many``), and
-every failure is counted in ``stats()`` and logged (rate-limited). Only programming errors
+No call raises for anything the server does (down, slow, full, foreign or forged data): a
+failed ``put`` returns False, a failed read is a miss (None, or False in ``contains_many``),
+and every failure is counted in ``stats()`` and logged (rate-limited). Only programming errors
 raise (a key that is not bytes, a read-only output buffer, bad metadata); bad settings raise
 ``StoreError`` from the constructor.
+
+Trust: with ``secret_file`` (the deployment secret, store/remote_auth.py) every value carries
+a keyed MAC and its names are keyed digests; ``previous_secret_file`` is also read (never
+written) during a rotation; ``encrypt`` encrypts the pieces too. Without a secret the tier
+starts only with ``trust="all-writers"``: every client that can write to the prefix is then
+trusted, and nothing but accidents is detected.
 
 URLs: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS; options such as
 ``ssl_ca_certs`` go in the query or as keyword arguments), ``unix:///path/redis.sock?db=N``.
@@ -29,33 +37,41 @@ URLs: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS; options s
 The password comes from the URL or from ``password_file`` (its first line), never both; it is
 never logged or shown (``repr``, messages and ``url`` use ``redacted(url)``).
 
-Layout (all keys of a chunk share the hash tag ``{<hex chunk key>}``, so in a cluster a chunk
-lives on one node and each of its operations is one node's round trip)::
+Layout (all keys of a chunk share the hash tag ``{<name tag>}``, a keyed digest of the chunk
+key (remote_auth.Keys.tag), so in a cluster a chunk lives on one node and each of its
+operations is one node's round trip)::
 
-    <prefix>:{<hex key>}:h      head record (below)
-    <prefix>:{<hex key>}:<i>    piece i of the stored bytes, piece_bytes each (the last one shorter)
+    <prefix>:{<name tag>}:h      head record (below)
+    <prefix>:{<name tag>}:<i>    piece i of the stored bytes, piece_bytes each (the last one
+                                 shorter); encrypted, each is followed by its 16-byte GCM tag
 
-The head packs (little-endian) magic ``LMRC``, version, codec id, codec level, stored length,
-raw length, xxh3-64 of the stored bytes, piece size, piece count, token count, write time, then
-the chunk key, the layout JSON and an xxh3-64 of the head itself. A put reads the old head,
-writes the pieces and then the new head in one MULTI/EXEC transaction sent as one pipeline (one
-round trip): a chunk appears whole or not at all, and an OOM refusal of any piece aborts all of
-it, so a full server keeps no partial chunks. If the chunk it replaced had more pieces, the
-extra ones are then deleted.
+The head (remote_auth.py frames it; remote_value.py lays out its metadata and follows a read
+as it arrives) holds in clear only its format, a random nonce and the length of its metadata;
+the metadata (stored and raw lengths, piece size and count, codec and level, tokens, write
+time, the writer's id, the payload's MAC, the layout JSON) is encrypted under the secret, and
+the whole head is under a MAC bound to its name and chunk key. A put
+reads the old head, writes the pieces and then the new head in one MULTI/EXEC transaction
+sent as one pipeline (one round trip): a chunk appears whole or not at all, and an OOM refusal
+of any piece aborts all of it, so a full server keeps no partial chunks. If the chunk it
+replaced had more pieces, the extra ones are then deleted.
 
 A read is one round trip: the head and the pieces in one pipeline, as many pieces as the last
 chunk this tier read had (a chunk with more takes a second round trip for the rest; keys that do
 not exist cost the server next to nothing). On a single server the replies are read from the
-socket by ``store/resp.py``, each piece received straight into the caller's buffer; through a
-cluster client, redis-py's replies are copied. The head must be ours (magic, version, its own
-checksum, the same chunk key), every piece present and of the right length, and the bytes must
-match the head's length and checksum. Anything else is a miss, never wrong bytes, and is
-counted: ``foreign`` (not our format or version, or another key's head), ``evicted_discovered``
-(the head is there but pieces are gone: the server's ``maxmemory`` policy evicted them, or
-someone deleted them), ``torn`` (a piece or the whole of the wrong length or checksum, a damaged
-head). A put that lands between a read's head and its pieces makes that read a miss (the
-checksum fails), not a wrong answer. A torn or evicted chunk is deleted from the server if its
-head is still the one that was read (WATCH), so that lookups stop finding it.
+socket by ``store/resp.py``, each piece received straight into the caller's buffer and its MAC
+(or its decryption) computed as its bytes land; through a cluster client the head comes first
+(bounded GETRANGEs, a second round trip) and redis-py's replies are copied. The head must
+verify, its lengths must be within what the caller allows (``max_stored``, ``raw_len``,
+``max_raw``: checked before anything is allocated), every piece present and of the right
+length, and the payload must match the head's MAC. Anything else is a miss, never wrong bytes,
+and is counted: ``foreign`` (not our format, version or deployment, or lengths the caller does
+not expect), ``forged`` (a MAC or GCM tag fails: written without the secret, or copied from
+another chunk), ``evicted_discovered`` (the head is there but pieces are gone: the server's
+``maxmemory`` policy evicted them, or someone deleted them), ``torn`` (a piece of the wrong
+length; without a secret, a checksum that fails). A put that lands between a read's head and
+its pieces makes that read a miss, not a wrong answer, and is not counted. A forged, torn or
+evicted chunk is deleted from the server if its head is still the one that was read (WATCH),
+so that lookups stop finding it.
 
 Deadlines and the circuit breaker: lookups (``contains_many``) run on connections whose socket
 timeouts are ``lookup_timeout_s``; puts, reads and deletes on connections with
@@ -78,17 +94,16 @@ eviction policy or ``ttl_s`` the server reclaims them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import re
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -100,8 +115,35 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .breaker import CircuitBreaker
-from .codec import CODEC_IDS, CODEC_NAMES
+from .codec import CODEC_IDS
 from .errors import StoreError
+from .remote_auth import (
+    AEAD_TAG_BYTES,
+    MODE_MAC,
+    MODE_PLAIN,
+    MODE_SEALED,
+    Foreign,
+    Forged,
+    Keys,
+    PieceCipher,
+    Torn,
+    check_trust,
+    new_nonce,
+)
+from .remote_value import (
+    MAX_HEAD,
+    MAX_PIECE_BYTES,
+    MAX_STORED,
+    Bounds,
+    Head,
+    Lane,
+    MiB,
+    Nonsense,
+    Read,
+    RemoteMeta,
+    pack_meta,
+    unpack_meta,
+)
 from .resp import ReplyReader, pack_gets
 
 if TYPE_CHECKING:
@@ -109,22 +151,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmctl.store")
 
-MiB = 1 << 20
 #: default piece size: Redis moves values of about 4 MB at full speed, larger ones slower
 PIECE_BYTES = 4 * MiB
-#: no stored payload is this large (as store/index.py's MAX_CHUNK_BYTES)
-MAX_STORED = 1 << 34
-#: Redis refuses bulk strings over proto-max-bulk-len (512 MB by default)
-MAX_PIECE_BYTES = 512 * MiB
-
-HEAD_MAGIC = b"LMRC"
-HEAD_VERSION = 2
-# magic, version, codec, level, stored_len, raw_len, checksum, piece_bytes, piece_count,
-# tokens, written, key_len, layout_len; then key, layout JSON, xxh3-64 of everything before it
-_HEAD = struct.Struct("<4sHBhQQQIIIdHI")
-_U64 = struct.Struct("<Q")
 #: a read asks for at most this many pieces before it knows the chunk's piece count
 MAX_GUESS = 64
+#: reads of at least this many stored bytes MAC and decrypt on a lane (a helper thread; at most
+#: LANES reads at once, others wait for one), overlapping with the receive, where the process
+#: may run on at least LANE_CPUS cores (with two, the helper takes the core the Redis server or
+#: the engine needs: measured, checking inline costs less CPU there)
+LANE_MIN, LANES, LANE_CPUS = 1 << 20, 4, 4
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,100}")
 _SECRET_QUERY_KEYS = {"password", "pass", "passwd", "auth", "ssl_password", "token", "secret"}
@@ -157,28 +192,7 @@ def _join(scheme: str, netloc: str, path: str, query: str) -> str:
     return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
-# -- metadata and statistics -----------------------------------------------------------------
-@dataclass(frozen=True)
-class RemoteMeta:
-    """What a remote chunk carries besides its stored bytes.
-
-    For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/codec.py) and its
-    ``level``, ``layout`` and ``tokens``; ``checksum`` (xxh3-64 of the stored bytes, as the
-    store's index keeps it) is computed when None. The rest is filled in by the tier:
-    ``stored_len``, ``written`` (Unix time of the put), ``piece_bytes``.
-    """
-
-    raw_len: int
-    codec: str = "raw"
-    level: int = 0
-    layout: dict[str, Any] = field(default_factory=dict)
-    tokens: int = 0
-    checksum: int | None = None
-    stored_len: int | None = None
-    written: float | None = None
-    piece_bytes: int | None = None
-
-
+# -- statistics ------------------------------------------------------------------------------
 @dataclass
 class RemoteStats:
     """Counters of one ``RemoteTier`` (this process only), and its breaker's state.
@@ -186,9 +200,9 @@ class RemoteStats:
     ``calls`` went to the server; ``errors`` of them failed, whatever the reason (``timeouts``
     and ``oom`` are the ones that failed for those reasons). ``short_circuited`` calls were
     answered without the network (breaker open, or puts paused after an OOM). Of the reads,
-    ``hits`` returned verified bytes and ``misses`` did not (absent, ``foreign``, ``torn``,
-    ``evicted_discovered``, ``too_small``, an error or the breaker). ``bytes_out`` and
-    ``bytes_in`` count stored payload bytes put and read.
+    ``hits`` returned verified bytes and ``misses`` did not (absent, ``foreign``, ``forged``,
+    ``torn``, ``evicted_discovered``, ``too_small``, an error or the breaker). ``bytes_out``
+    and ``bytes_in`` count stored payload bytes put and read.
     """
 
     calls: int = 0
@@ -204,6 +218,7 @@ class RemoteStats:
     deleted: int = 0
     torn: int = 0
     foreign: int = 0
+    forged: int = 0
     evicted_discovered: int = 0
     too_small: int = 0
     bytes_out: int = 0
@@ -215,125 +230,16 @@ class RemoteStats:
         return dataclasses.asdict(self)
 
 
-# -- the head record -----------------------------------------------------------------------
-class _Foreign(Exception):
-    """The value at a head key is not a head of ours (another format, version or key)."""
-
-
-class _Torn(Exception):
-    """A head of ours that does not add up (damaged)."""
-
-
-@dataclass(frozen=True)
-class _Head:
-    meta: RemoteMeta
-    checksum: int
-    stored_len: int
-    piece_bytes: int
-    piece_count: int
-
-
-@dataclass
-class _Read:
-    """What one read found: ``kind`` is ``reading`` while the pieces arrive, then ``ok``, or
-    what made it a miss (``absent``, ``foreign``, ``torn-head``, ``too_small``, ``missing``
-    pieces, ``torn`` pieces)."""
-
-    kind: str
-    problem: str | None
-    head_raw: bytes | None = None
-    head: _Head | None = None
-    dst: memoryview | None = None
-    hasher: Any = None
-    missing: int = 0
-
-    def piece_len(self, i: int) -> int:
-        assert self.head is not None
-        return min(self.head.piece_bytes, self.head.stored_len - i * self.head.piece_bytes)
-
-    def slot(self, i: int) -> memoryview:
-        assert self.head is not None and self.dst is not None
-        pos = i * self.head.piece_bytes
-        return self.dst[pos:pos + self.piece_len(i)]
-
-    def fail(self, problem: str) -> None:
-        if self.kind == "reading":
-            self.kind, self.problem = "torn", problem
-
-    def accept(self, i: int, reply: object) -> memoryview | None:
-        """Piece ``i``'s reply, seen by its length (an int), None (the key is gone) or
-        anything else (not a string): the slice of the buffer its bytes go to, or None when
-        they are not wanted (noted as missing or torn, or the read has already failed)."""
-        if self.kind != "reading" or self.head is None or i >= self.head.piece_count:
-            return None
-        want = self.piece_len(i)
-        if reply is None:
-            self.missing += 1
-        elif not isinstance(reply, int):
-            self.fail(f"piece {i} is not a string ({reply!r})")
-        elif reply != want:
-            self.fail(f"piece {i} has {reply} bytes, not {want}")
-        else:
-            return self.slot(i)
-        return None
-
-    def finish(self) -> _Read:
-        """The verdict once every piece has been received."""
-        if self.kind == "reading" and self.head is not None:
-            if self.missing:
-                self.kind, self.problem = "missing", f"{self.missing} of {self.head.piece_count} pieces are gone"
-            elif self.hasher.intdigest() != self.head.checksum:
-                self.kind, self.problem = "torn", "checksum mismatch"
-            else:
-                self.kind = "ok"
-        self.dst = None  # the caller's buffer is not kept
-        return self
-
-
-def _pack_head(key: bytes, meta: RemoteMeta, stored_len: int, checksum: int, piece_bytes: int,
-               written: float) -> bytes:
-    layout = json.dumps(meta.layout, separators=(",", ":"), sort_keys=True).encode()
-    count = -(-stored_len // piece_bytes)
-    body = _HEAD.pack(HEAD_MAGIC, HEAD_VERSION, CODEC_IDS[meta.codec], meta.level, stored_len, meta.raw_len,
-                      checksum, piece_bytes, count, meta.tokens, written, len(key),
-                      len(layout)) + key + layout
-    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def _unpack_head(raw: bytes, key: bytes) -> _Head:
-    """Parse a head; ``_Foreign`` if it is not ours, ``_Torn`` if it is damaged."""
-    if len(raw) < _HEAD.size + _U64.size or raw[:4] != HEAD_MAGIC:
-        raise _Foreign("not an lmctl remote head")
-    (_m, version, codec, level, stored_len, raw_len, checksum, piece_bytes, count, tokens, written,
-     key_len, layout_len) = _HEAD.unpack_from(raw, 0)
-    if version != HEAD_VERSION:
-        raise _Foreign(f"head of format version {version}, this lmctl reads {HEAD_VERSION}")
-    end = _HEAD.size + key_len + layout_len
-    if end + _U64.size != len(raw) or _U64.unpack_from(raw, end)[0] != xxhash.xxh3_64_intdigest(raw[:end]):
-        raise _Torn("the head fails its own checksum")
-    if raw[_HEAD.size:_HEAD.size + key_len] != key:
-        raise _Foreign("the head names another chunk key")
-    if codec not in CODEC_NAMES or not 0 < piece_bytes <= MAX_PIECE_BYTES or stored_len >= MAX_STORED \
-            or count != -(-stored_len // piece_bytes) or not math.isfinite(written):
-        raise _Foreign("the head's codec, lengths or time make no sense")
-    try:
-        layout = json.loads(raw[_HEAD.size + key_len:end] or b"{}")
-    except ValueError:
-        raise _Foreign("the head's layout is not JSON") from None
-    if not isinstance(layout, dict):
-        raise _Foreign("the head's layout is not a JSON object")
-    meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[codec], level=level, layout=layout, tokens=tokens,
-                      checksum=checksum, stored_len=stored_len, written=written, piece_bytes=piece_bytes)
-    return _Head(meta, checksum, stored_len, piece_bytes, count)
-
-
 # -- the client ----------------------------------------------------------------------------
 class RemoteTier:
     """Chunks in Redis/Valkey (see the module docstring for the layout and the failure rules).
 
     ``url``: ``redis://``, ``rediss://`` or ``unix://`` (``?cluster=1`` for a Redis Cluster).
     ``key_prefix``: this deployment's namespace on the server (letters, digits and ``_.:/@+=-``;
-    two prefixes never see each other's chunks). ``piece_bytes``: the size of a piece.
+    two prefixes never see each other's chunks). ``secret_file``: the deployment secret
+    (``previous_secret_file``: the one it replaces, still read during a rotation; ``encrypt``:
+    encrypt the pieces too); without one, ``trust`` must be ``"all-writers"``. ``writer``: the
+    32-bit id this tier's heads name as their writer. ``piece_bytes``: the size of a piece.
     ``lookup_timeout_s`` bounds each round trip of ``contains_many``; ``io_timeout_s`` those of
     puts, reads and deletes. ``password_file``: a file whose first line is the password (instead
     of one in the URL). ``cluster``: None takes it from the URL. ``ttl_s``: chunks expire on the
@@ -342,7 +248,9 @@ class RemoteTier:
     client (e.g. ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``username``).
     """
 
-    def __init__(self, url: str, *, key_prefix: str, piece_bytes: int = PIECE_BYTES,
+    def __init__(self, url: str, *, key_prefix: str, secret_file: str | os.PathLike[str] | None = None,
+                 previous_secret_file: str | os.PathLike[str] | None = None, encrypt: bool = False,
+                 trust: str | None = None, writer: int = 0, piece_bytes: int = PIECE_BYTES,
                  lookup_timeout_s: float = 0.05, io_timeout_s: float = 2.0, password_file: str | os.PathLike[str] |
                  None = None, cluster: bool | None = None, ttl_s: float | None = None, breaker_failures: int = 3,
                  breaker_backoff_s: float = 1.0, breaker_backoff_max_s: float = 30.0, oom_pause_s: float = 1.0,
@@ -351,6 +259,14 @@ class RemoteTier:
         if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
             raise StoreError(f"remote key prefix {key_prefix!r} is not allowed: use 1-100 letters, digits "
                              "or _.:/@+=- (no braces: they would break the hash tag)")
+        #: the keys of the secret values are written with, then those of the previous one (read only)
+        self.keyring = _keyring(key_prefix, secret_file, previous_secret_file, encrypt, trust)
+        self.mode = MODE_PLAIN if not self.keyring[0].authenticated else MODE_SEALED if encrypt else MODE_MAC
+        if encrypt:
+            PieceCipher(bytes(32), "", b"", 0)  # cryptography is there: found now, not at the first put
+        if not 0 <= writer < 1 << 32:
+            raise StoreError(f"remote writer id {writer} is not a 32-bit number")
+        self.writer = writer
         if not 0 < piece_bytes <= MAX_PIECE_BYTES:
             raise StoreError(f"remote piece_bytes must be between 1 and {MAX_PIECE_BYTES}, not {piece_bytes}")
         if not (lookup_timeout_s > 0 and io_timeout_s > 0):
@@ -382,6 +298,8 @@ class RemoteTier:
         self._last_warn: dict[str, float] = {}
         self._closed = False
         self._pieces_hint = 1  # the piece count of the last chunk read: how many pieces a read asks for
+        self._lanes: ThreadPoolExecutor | None = None  # where reads MAC and decrypt (remote_value.Lane)
+        self.use_lanes = len(os.sched_getaffinity(0)) >= LANE_CPUS
         #: reads receive pieces straight into the caller's buffer (single server; see _read_direct)
         self.direct_reads = not self.cluster
 
@@ -449,6 +367,9 @@ class RemoteTier:
         with self._client_lock:
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
+            lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.shutdown(wait=True)
         for c in clients:
             try:
                 c.close()
@@ -462,20 +383,20 @@ class RemoteTier:
         self.close()
 
     # -- keys --------------------------------------------------------------------------
-    def _tag(self, key: bytes) -> str:
+    def _tag(self, key: bytes, keys: Keys | None = None) -> str:
         if not isinstance(key, bytes | bytearray) or not 0 < len(key) <= 1024:
             raise TypeError(f"a chunk key must be 1-1024 bytes, not {type(key).__name__} of length "
                             f"{len(key) if isinstance(key, bytes | bytearray) else '?'}")
-        return f"{self.key_prefix}:{{{bytes(key).hex()}}}"
+        return f"{self.key_prefix}:{{{(keys or self.keyring[0]).tag(bytes(key))}}}"
 
-    def head_key(self, key: bytes) -> str:
-        """The Redis key of a chunk's head record (for operators and tests)."""
-        return self._tag(key) + ":h"
+    def head_key(self, key: bytes, keys: Keys | None = None) -> str:
+        """The Redis key of a chunk's head record under ``keys`` (default: the current
+        secret's), for operators and tests."""
+        return self._tag(key, keys) + ":h"
 
-    def piece_keys(self, key: bytes, count: int, first: int = 0) -> list[str]:
+    def piece_keys(self, key: bytes, count: int, first: int = 0, keys: Keys | None = None) -> list[str]:
         """The Redis keys of a chunk's pieces ``first`` .. ``count - 1``."""
-        tag = self._tag(key)
-        return [f"{tag}:{i}" for i in range(first, count)]
+        return _pieces(self._tag(key, keys), count, first)
 
     # -- bookkeeping -------------------------------------------------------------------
     def _count(self, **deltas: int) -> None:
@@ -536,32 +457,49 @@ class RemoteTier:
 
     # -- writes ------------------------------------------------------------------------
     def put(self, key: bytes, stored: Buffer, meta: RemoteMeta) -> bool:
-        """Store a chunk's stored bytes and metadata (replacing any chunk of that key).
-        True when the server committed it; False (counted) when it did not: breaker open,
-        OOM, timeout or any other failure."""
-        head_key = self.head_key(key)
+        """Store a chunk's stored bytes and metadata (replacing any chunk of that key), under
+        the current secret. True when the server committed it; False (counted) when it did
+        not: breaker open, OOM, timeout or any other failure."""
+        keys = self.keyring[0]
+        tag = self._tag(key)
+        head_key = tag + ":h"
         data = memoryview(stored).cast("B")
         n = len(data)
         if meta.codec not in CODEC_IDS:
             raise StoreError(f"unknown codec {meta.codec!r}; choose one of {', '.join(CODEC_IDS)}")
-        if n >= MAX_STORED or -(-n // self.piece_bytes) >= 1 << 32 or not 0 <= meta.raw_len < MAX_STORED:
-            raise StoreError(f"a chunk of {n} stored / {meta.raw_len} raw bytes is too large for the remote tier")
+        if n >= MAX_STORED or -(-n // self.piece_bytes) >= 1 << 32 or not 0 <= meta.raw_len < MAX_STORED \
+                or (meta.codec == "raw" and n != meta.raw_len):
+            raise StoreError(f"a chunk of {n} stored / {meta.raw_len} raw bytes ({meta.codec}) cannot be put to the "
+                             "remote tier")
         if not (0 <= meta.tokens < 1 << 32 and -(1 << 15) <= meta.level < 1 << 15):
             raise StoreError("remote chunk metadata out of range (tokens, level)")
         if time.monotonic() < self._writes_paused_until:
             self._count(short_circuited=1, put_failures=1)
             return False
-        checksum = xxhash.xxh3_64_intdigest(data) if meta.checksum is None else meta.checksum
-        head = _pack_head(bytes(key), meta, n, checksum, self.piece_bytes, time.time())
         count = -(-n // self.piece_bytes)
-        pieces = self.piece_keys(key, count)
+        nonce = new_nonce()
+        parts: list[Buffer] = [data[i * self.piece_bytes:(i + 1) * self.piece_bytes] for i in range(count)]
+        if self.mode == MODE_SEALED:
+            cipher = keys.pieces(head_key, key, nonce, count)
+            parts = [cipher.seal(i, p) for i, p in enumerate(parts)]
+        if self.mode == MODE_PLAIN:
+            csum = xxhash.xxh3_64_intdigest(data) if meta.checksum is None else meta.checksum
+            check = csum.to_bytes(8, "big") + bytes(24)
+        else:
+            mac = keys.payload_mac(head_key, key, nonce)
+            for p in parts:  # the pieces; encrypted, their GCM tags (which authenticate them)
+                mac.update(memoryview(p)[-AEAD_TAG_BYTES:] if self.mode == MODE_SEALED else p)
+            check = mac.digest()
+        head = keys.seal_head(self.mode, head_key, key, nonce,
+                              pack_meta(meta, n, self.piece_bytes, time.time(), self.writer, check))
+        pieces = _pieces(tag, count)
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
 
         def write(client: Any) -> Any:
             pipe = client.pipeline(transaction=True)
             pipe.get(head_key)  # the head this put replaces (an error reply if a foreign type is there)
-            for i, pk in enumerate(pieces):
-                pipe.set(pk, data[i * self.piece_bytes:(i + 1) * self.piece_bytes], px=px)
+            for pk, part in zip(pieces, parts, strict=True):
+                pipe.set(pk, part, px=px)
             pipe.set(head_key, head, px=px)
             res = pipe.execute(raise_on_error=False)
             for r in res[1:]:
@@ -575,47 +513,56 @@ class RemoteTier:
             return False
         self._count(puts=1, bytes_out=n)
         if isinstance(old, bytes) and old != head:
-            self._forget_pieces(key, old, count)
+            self._forget_pieces(key, keys, old, count)
         return True
 
-    def _forget_pieces(self, key: bytes, old_head: bytes, count: int) -> None:
+    def _open(self, key: bytes, keys: Keys, name: str, raw: bytes) -> Head:
+        """A head read from ``name``, verified and parsed (``Foreign``, ``Forged``, ``Torn``
+        or ``Nonsense`` if it is not a good head of this chunk)."""
+        mode, nonce, meta = keys.open_head(name, bytes(key), raw)
+        return unpack_meta(meta, mode, nonce)
+
+    def _forget_pieces(self, key: bytes, keys: Keys, old_head: bytes, count: int) -> None:
         """Delete the pieces of the chunk a put replaced that the new one does not overwrite
-        (the old one had more of them; best effort)."""
+        (the old one had more of them; best effort: a head that does not verify names none)."""
+        tag = self._tag(key, keys)
         try:
-            old = _unpack_head(old_head, bytes(key))
-        except (_Foreign, _Torn):
+            old = self._open(key, keys, tag + ":h", old_head)
+        except (Foreign, Forged, Torn, Nonsense):
             return
         if old.piece_count > count:
-            stale = self.piece_keys(key, old.piece_count, count)
+            stale = _pieces(tag, old.piece_count, count)
             self._call("delete", False, lambda c: _delete_each(c, stale))
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove chunks (head and pieces); how many were there. Failures are counted (0)."""
-        keys = list(keys)
-        heads = [self.head_key(k) for k in keys]
-        if not keys:
+        """Remove chunks (head and pieces, under every secret of the keyring); how many were
+        there. Failures are counted (0)."""
+        chunks = [bytes(k) for k in keys]
+        named = [(k, ring, self._tag(k, ring)) for ring in self.keyring for k in chunks]
+        if not chunks:
             return 0
 
         def remove(client: Any) -> int:
             pipe = client.pipeline(transaction=False)
-            for h in heads:
-                pipe.getdel(h)  # the head we remove names the pieces we must remove, whatever a writer does next
+            for _k, _ring, tag in named:
+                # the head we remove names the pieces we must remove, whatever a writer does next
+                pipe.getdel(tag + ":h")
             found = pipe.execute(raise_on_error=False)
             pipe = client.pipeline(transaction=False)
-            n = 0
-            for k, raw in zip(keys, found, strict=True):
+            there: set[bytes] = set()
+            for (k, ring, tag), raw in zip(named, found, strict=True):
                 if not isinstance(raw, bytes):
                     continue
-                n += 1
+                there.add(k)
                 try:
-                    old = _unpack_head(raw, bytes(k))
-                except (_Foreign, _Torn):
+                    old = self._open(k, ring, tag + ":h", raw)
+                except (Foreign, Forged, Torn, Nonsense):
                     continue
-                for pk in self.piece_keys(k, old.piece_count):
+                for pk in _pieces(tag, old.piece_count):
                     pipe.delete(pk)  # one key per DEL: a cluster pipeline refuses multi-key commands
             if len(pipe):
                 pipe.execute(raise_on_error=False)
-            return n
+            return len(there)
 
         ok, n = self._call("delete", False, remove)
         n = n if ok else 0
@@ -624,115 +571,166 @@ class RemoteTier:
 
     # -- reads -------------------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` have a head on the server, in one pipelined round trip bounded by
-        ``lookup_timeout_s``. A failure (or an open breaker) answers False for all. A head does
-        not promise its pieces: ``get_into`` finds out."""
-        heads = [self.head_key(k) for k in keys]
+        """Which of ``keys`` have a head on the server (under any secret of the keyring), in
+        one pipelined round trip bounded by ``lookup_timeout_s``. A failure (or an open
+        breaker) answers False for all. A head does not promise its pieces, nor that it
+        verifies: ``get_into`` finds out."""
+        heads = [self.head_key(k, ring) for k in keys for ring in self.keyring]
         if not heads:
             return []
+        per = len(self.keyring)
 
         def look(client: Any) -> list[bool]:
             pipe = client.pipeline(transaction=False)
             for h in heads:
                 pipe.exists(h)
-            return [r is True or (isinstance(r, int) and r > 0) for r in pipe.execute(raise_on_error=False)]
+            there = [r is True or (isinstance(r, int) and r > 0) for r in pipe.execute(raise_on_error=False)]
+            return [any(there[i:i + per]) for i in range(0, len(there), per)]
 
-        self._count(lookups=len(heads))
+        self._count(lookups=len(keys))
         ok, found = self._call("lookup", True, look)
-        return list(found) if ok else [False] * len(heads)
+        return list(found) if ok else [False] * len(keys)
 
-    def get(self, key: bytes) -> tuple[RemoteMeta, bytearray] | None:
-        """The chunk's metadata and stored bytes, verified; None for a miss."""
+    def get(self, key: bytes, *, max_stored: int, raw_len: int | None = None,
+            max_raw: int | None = None) -> tuple[RemoteMeta, bytearray] | None:
+        """The chunk's metadata and stored bytes, verified; None for a miss. A chunk whose
+        head claims more than ``max_stored`` stored bytes (or another ``raw_len``, or more
+        than ``max_raw``) is a miss counted ``foreign``, before anything is allocated."""
         box: list[bytearray] = []
 
         def alloc(meta: RemoteMeta) -> bytearray:
             box.append(bytearray(meta.stored_len or 0))
             return box[0]
 
-        meta = self.get_into(key, alloc)
+        meta = self.get_into(key, alloc, max_stored=max_stored, raw_len=raw_len, max_raw=max_raw)
         return None if meta is None else (meta, box[0])
 
-    def get_into(self, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer]) -> RemoteMeta | None:
+    def get_into(self, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer], *, max_stored: int | None = None,
+                 raw_len: int | None = None, max_raw: int | None = None) -> RemoteMeta | None:
         """Read a chunk's stored bytes into ``out[:meta.stored_len]`` and return its metadata,
-        verified against the head's length and checksum; None for a miss (counted: absent,
-        foreign, torn, evicted pieces, an error, the breaker open). ``out`` is a writable
-        buffer, or a function that is given the metadata once the head is read and returns
-        one (so the caller can size it); a buffer smaller than the chunk is a miss
-        (``too_small``). On a miss ``out`` may hold partial bytes.
+        verified (its head's MAC, the lengths, the payload's MAC); None for a miss (counted:
+        absent, foreign, forged, torn, evicted pieces, an error, the breaker open). ``out``
+        is a writable buffer, or a function that is given the verified metadata once the
+        head is read and returns one (so the caller can size it; ``max_stored`` is then
+        required). The head's claims are checked against ``max_stored``, ``raw_len`` and
+        ``max_raw`` before ``out`` is called: a chunk that claims more, or another raw
+        length, is a miss counted ``foreign``; a buffer smaller than the chunk is a miss
+        counted ``too_small``. On a miss ``out`` may hold partial bytes.
 
         One round trip: the head and as many pieces as the last chunk read had, in one
-        pipeline (a second round trip fetches the rest when this chunk has more). On a single
-        server the pieces are received straight into ``out``; through a cluster client they
-        are copied from redis-py's replies."""
-        if not callable(out) and memoryview(out).readonly:
+        pipeline (a second round trip fetches the rest when this chunk has more; during a
+        rotation, a chunk not found under the current secret's names is looked for under the
+        previous one's). On a single server the pieces are received straight into ``out``,
+        checked as they land; through a cluster client they are copied from redis-py's
+        replies."""
+        if callable(out):
+            if max_stored is None:
+                raise TypeError("get_into with a function for out needs max_stored (the most bytes it may allocate)")
+        elif memoryview(out).readonly:
             raise TypeError("get_into needs a writable buffer")
+        bounds = Bounds(MAX_STORED if max_stored is None else min(MAX_STORED, max_stored), raw_len, max_raw)
         bkey = bytes(key)
-        guess = self._pieces_hint
         read = self._read_direct if self.direct_reads else self._read_pipelined
-        ok, got = self._call("read", False, lambda c: read(c, bkey, out, guess))
-        if not ok:
-            self._count(misses=1)
-            return None
-        r: _Read = got
+        r = Read("absent", "no such chunk")
+        for ring in self.keyring:
+            guess = self._pieces_hint
+            ok, got = self._call("read", False, lambda c: read(c, bkey, ring, out, guess, bounds))
+            if not ok:
+                self._count(misses=1)
+                return None
+            r = got
+            r.asked = guess
+            if r.kind != "absent":
+                break
         if r.head is not None:
             self._pieces_hint = max(1, min(r.head.piece_count, MAX_GUESS))
         if r.problem is None and r.head is not None:
             self._count(hits=1, bytes_in=r.head.stored_len)
             return r.head.meta
         self._count(misses=1)
-        if r.kind == "absent":
-            return None
-        if r.kind == "foreign":
-            self._count(foreign=1)
-            self._warn("foreign", "chunk %s: the value at %s is foreign (%s); a miss", bkey.hex()[:16],
-                       self.head_key(key), r.problem)
-        elif r.kind == "torn-head":
-            self._count(torn=1)
-            self._warn("torn", "chunk %s is torn (%s); a miss, dropped", bkey.hex()[:16], r.problem)
-            self._drop_if_unchanged(key, r.head_raw or b"", [])
-        elif r.kind == "too_small":
-            self._count(too_small=1)
-            self._warn("too_small", "chunk %s: %s; a miss", bkey.hex()[:16], r.problem)
-        elif r.head is not None:
-            pieces = self.piece_keys(key, r.head.piece_count)
-            if self._drop_if_unchanged(key, r.head_raw or b"", pieces) is not False:
-                # still the head we read (or we could not tell): its pieces really are gone or
-                # wrong, not replaced by a writer while we read
-                self._count(**{"evicted_discovered" if r.kind == "missing" else "torn": 1})
-                self._warn("evicted" if r.kind == "missing" else "torn", "chunk %s: %s; a miss, dropped",
-                           bkey.hex()[:16], r.problem)
+        self._note_miss(bkey, r)
         return None
 
-    def _open_head(self, key: bytes, raw: bytes | rx.ResponseError | None,
-                   out: Buffer | Callable[[RemoteMeta], Buffer]) -> _Read:
-        """Parse a head read from the server and get the buffer for the chunk: a ``_Read``
-        that says what is wrong, or one with ``dst`` set."""
+    def count_foreign(self, key: bytes, problem: str) -> None:
+        """A hit the caller found unusable after all (verified bytes that do not decode): a
+        miss counted ``foreign``."""
+        self._count(hits=-1, misses=1, foreign=1)
+        self._warn("foreign", "chunk %s: %s; a miss", bytes(key).hex()[32:48], problem)
+
+    def _note_miss(self, key: bytes, r: Read) -> None:
+        """Count (and log, and for a bad value drop from the server) what made a read a miss."""
+        short = key.hex()[32:48]
+        if r.kind in ("absent", "too_small", "foreign"):
+            if r.kind != "absent":
+                self._count(**{r.kind: 1})
+                self._warn(r.kind, "chunk %s: the value at %s is not one this read takes (%s); a miss", short,
+                           r.name, r.problem)
+            return
+        if r.kind in ("forged-head", "torn-head"):
+            # a head that does not verify tells no piece count: the names the read asked for go
+            # with it (they are this chunk's own names, and while the head is unchanged no put
+            # of ours has replaced any of them)
+            kind, pieces = r.kind[:-5], _pieces(r.tag, r.asked)
+        else:
+            assert r.head is not None
+            kind, pieces = ("evicted_discovered" if r.kind == "missing" else r.kind), _pieces(r.tag, r.head.piece_count)
+        if self._drop_if_unchanged(r.name, r.head_raw or b"", pieces) is not False:
+            # still the head we read (or we could not tell): the value really is bad or gone,
+            # not replaced by a writer while we read
+            self._count(**{kind: 1})
+            self._warn(kind, "chunk %s at %s: %s; a miss, dropped", short, r.name, r.problem)
+
+    def _open_head(self, key: bytes, ring: Keys, raw: bytes | rx.ResponseError | None,
+                   out: Buffer | Callable[[RemoteMeta], Buffer], bounds: Bounds) -> Read:
+        """Verify and parse a head read from the server and get the buffer for the chunk: a
+        ``Read`` that says what is wrong, or one with ``dst`` set."""
+        tag = self._tag(key, ring)
+        name = tag + ":h"
         if raw is None:
-            return _Read("absent", "no such chunk")
+            return Read("absent", "no such chunk", name, tag)
         if isinstance(raw, Exception):
-            return _Read("foreign", f"not a string value ({raw})")
+            return Read("foreign", f"not a string value ({raw})", name, tag)
         try:
-            head = _unpack_head(raw, key)
-        except _Foreign as exc:
-            return _Read("foreign", str(exc), raw)
-        except _Torn as exc:
-            return _Read("torn-head", str(exc), raw)
+            head = self._open(key, ring, name, raw)
+        except (Foreign, Nonsense) as exc:
+            return Read("foreign", str(exc), name, tag, raw)
+        except Forged as exc:
+            return Read("forged-head", str(exc), name, tag, raw)
+        except Torn as exc:
+            return Read("torn-head", str(exc), name, tag, raw)
+        wrong = bounds.problem(head)
+        if wrong:
+            return Read("foreign", wrong, name, tag, raw, head)
         dst = memoryview(out(head.meta) if callable(out) else out).cast("B")
         if dst.readonly:
             raise TypeError("get_into needs a writable buffer")
         if len(dst) < head.stored_len:
-            return _Read("too_small", f"it holds {head.stored_len} stored bytes, the buffer only {len(dst)}", raw,
-                         head)
-        return _Read("reading", None, raw, head, dst[:head.stored_len], xxhash.xxh3_64())
+            return Read("too_small", f"it holds {head.stored_len} stored bytes, the buffer only {len(dst)}", name,
+                         tag, raw, head)
+        cipher = ring.pieces(name, key, head.nonce, head.piece_count) if head.mode == MODE_SEALED else None
+        return Read("reading", None, name, tag, raw, head, dst[:head.stored_len],
+                    ring.payload_mac(name, key, head.nonce), cipher,
+                    lane=self._lane() if self.use_lanes and head.mode != MODE_PLAIN and head.stored_len >= LANE_MIN
+                    else None)
 
-    def _read_direct(self, client: Any, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer],
-                     guess: int) -> _Read:
+    def _lane(self) -> Lane | None:
+        """A lane for a read's MAC and decryption (None: none can start, the tier is closed)."""
+        with self._client_lock:
+            if self._closed:
+                return None
+            if self._lanes is None:
+                self._lanes = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="lmctl-remote-check")
+            return Lane(self._lanes)
+
+    def _read_direct(self, client: Any, key: bytes, ring: Keys, out: Buffer | Callable[[RemoteMeta], Buffer],
+                     guess: int, bounds: Bounds) -> Read:
         """The read on a single server: the pipeline is sent on a connection of redis-py's
         pool and its replies are read with ``ReplyReader``, pieces straight into the buffer
         (RESP2 and RESP3 answer GET alike). A connection left in an unknown state (an error,
         a timeout, a push message among the replies) is closed."""
         pool = client.connection_pool
         conn = pool.get_connection()
+        r: Read | None = None
         try:
             sock = conn._get_socket()
             if sock is None or getattr(pool, "cache", None) is not None:
@@ -740,72 +738,90 @@ class RemoteTier:
                 # messages between replies): redis-py's way
                 pool.release(conn)
                 conn = None
-                return self._read_pipelined(client, key, out, guess)
-            names = [self.head_key(key), *self.piece_keys(key, guess)]
-            conn.send_packed_command([pack_gets(names)], check_health=False)
+                return self._read_pipelined(client, key, ring, out, guess, bounds)
+            tag = self._tag(key, ring)
+            conn.send_packed_command([pack_gets([tag + ":h", *_pieces(tag, guess)])], check_health=False)
             rd = ReplyReader(sock)
             n = rd.header()
-            r = self._open_head(key, rd.read_bytes(n) if isinstance(n, int) else n, out)
+            if isinstance(n, int) and n > MAX_HEAD:
+                rd.skip(n)  # never read into memory: no head of ours is that long
+                r = Read("foreign", f"a head of {n} bytes", tag + ":h", tag)
+            else:
+                r = self._open_head(key, ring, rd.read_bytes(n) if isinstance(n, int) else n, out, bounds)
             self._receive(rd, r, 0, guess)
             if r.kind == "reading" and r.head is not None and r.head.piece_count > guess:
                 count = r.head.piece_count
-                conn.send_packed_command([pack_gets(self.piece_keys(key, count, guess))], check_health=False)
+                conn.send_packed_command([pack_gets(_pieces(tag, count, guess))], check_health=False)
                 self._receive(rd, r, guess, count)
             return r.finish()
         except BaseException:
             if conn is not None:
                 conn.disconnect()
+            if r is not None:
+                r.settle()  # no check may touch the caller's buffer once the read has ended
             raise
         finally:
             if conn is not None:
                 pool.release(conn)
 
     @staticmethod
-    def _receive(rd: ReplyReader, r: _Read, first: int, end: int) -> None:
+    def _receive(rd: ReplyReader, r: Read, first: int, end: int) -> None:
         """Read the replies for pieces ``first`` .. ``end - 1`` into ``r`` (every reply is
         consumed, whatever ``r`` has found wrong)."""
         for i in range(first, end):
             n = rd.header()
             view = r.accept(i, n)
-            if view is not None:
-                rd.read_into(view)
-                r.hasher.update(view)
-            elif isinstance(n, int):
-                rd.skip(n)
+            if view is None:
+                if isinstance(n, int):
+                    rd.skip(n)
+            elif r.cipher is None:
+                rd.read_into(view, r.land)
+            else:
+                rd.read_into(view, r.land, end=False)
+                rd.read_into(r.gcm_tag)
+                r.end_piece(i)
 
-    def _read_pipelined(self, client: Any, key: bytes, out: Buffer | Callable[[RemoteMeta], Buffer],
-                        guess: int) -> _Read:
+    def _read_pipelined(self, client: Any, key: bytes, ring: Keys, out: Buffer | Callable[[RemoteMeta], Buffer],
+                        guess: int, bounds: Bounds) -> Read:
         """The read through redis-py's pipelines (a cluster client, or a client-side cache):
-        the replies come as ``bytes``, copied into the buffer."""
+        redis-py reads every reply into memory, so the head comes first and each value is
+        asked for with a GETRANGE no longer than it may be (a value planted longer is cut, never
+        read whole); the replies are copied into the buffer."""
+        tag = self._tag(key, ring)
 
-        def gets(names: list[str]) -> list[Any]:
+        def ranges(wanted: list[tuple[str, int]]) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
+            for name, n in wanted:
+                pipe.getrange(name, 0, n)  # one byte more than wanted: a longer value shows
             return list(pipe.execute(raise_on_error=False))
 
-        replies = gets([self.head_key(key), *self.piece_keys(key, guess)])
-        head = replies[0]
+        head = ranges([(tag + ":h", MAX_HEAD)])[0]
         if isinstance(head, Exception) and not str(head).startswith("WRONGTYPE"):
             raise head
-        r = self._open_head(key, head, out)
-        if r.kind == "reading" and r.head is not None:
-            count = r.head.piece_count
-            pieces = replies[1:1 + count]
-            if count > guess:
-                pieces += gets(self.piece_keys(key, count, guess))
-            for i, piece in enumerate(pieces):
-                view = r.accept(i, len(piece) if isinstance(piece, bytes) else piece)
-                if view is not None:
-                    view[:] = piece
-                    r.hasher.update(piece)
-        return r.finish()
+        if isinstance(head, bytes) and len(head) > MAX_HEAD:
+            return Read("foreign", "a head longer than any of ours", tag + ":h", tag)
+        r = self._open_head(key, ring, head or None, out, bounds)  # GETRANGE gives b"" for no key
+        try:
+            if r.kind == "reading" and r.head is not None:
+                want = [r.piece_len(i) + r.extra for i in range(r.head.piece_count)]
+                got = ranges(list(zip(_pieces(tag, len(want)), want, strict=True)))
+                for i, piece in enumerate(got):
+                    view = r.accept(i, len(piece) if isinstance(piece, bytes) else piece)
+                    if view is not None:
+                        view[:] = piece[:len(view)]
+                        r.land(view)
+                        if r.cipher is not None:
+                            r.gcm_tag[:] = piece[len(view):]
+                            r.end_piece(i)
+            return r.finish()
+        except BaseException:
+            r.settle()  # no check may touch the caller's buffer once the read has ended
+            raise
 
-    def _drop_if_unchanged(self, key: bytes, head_raw: bytes, pieces: list[str]) -> bool | None:
-        """Delete a broken chunk if its head is still ``head_raw`` (a writer may have replaced
+    def _drop_if_unchanged(self, head_key: str, head_raw: bytes, pieces: list[str]) -> bool | None:
+        """Delete a bad chunk if its head is still ``head_raw`` (a writer may have replaced
         it since): True if it was (and is now deleted), False if it was not, None if the
         server could not be asked."""
-        head_key = self.head_key(key)
 
         def drop(client: Any) -> bool:
             with client.pipeline(transaction=True) as pipe:
@@ -822,6 +838,23 @@ class RemoteTier:
 
         ok, dropped = self._call("drop", False, drop)
         return bool(dropped) if ok else None
+
+
+def _pieces(tag: str, count: int, first: int = 0) -> list[str]:
+    """The Redis names of pieces ``first`` .. ``count - 1`` of the chunk whose names share ``tag``."""
+    return [f"{tag}:{i}" for i in range(first, count)]
+
+
+def _keyring(prefix: str, secret_file: str | os.PathLike[str] | None, previous: str | os.PathLike[str] | None,
+             encrypt: bool, trust: str | None) -> list[Keys]:
+    """The keys a tier writes with, then (during a rotation) those it also reads with."""
+    check_trust(prefix, secret_file, previous, encrypt, trust)
+    if secret_file is None:
+        return [Keys.derive(None)]
+    ring = [Keys.from_file(secret_file)]
+    if previous is not None:
+        ring.append(Keys.from_file(previous, "remote.previous_secret_file"))
+    return ring
 
 
 def _delete_each(client: Any, names: list[str]) -> None:

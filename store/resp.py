@@ -9,17 +9,24 @@ a bulk string, a null (``$-1`` or ``_``) or an error (``-...``); anything else i
 error, after which the connection must be closed (its stream position is unknown).
 
 ``pack_gets(names)`` builds the request for a pipeline of ``GET`` commands.
+
+A reader that checks what it receives (a MAC, a decryption) passes ``land`` to ``read_into``:
+it is called with each slice of the buffer as soon as its bytes have arrived, at most ``STEP``
+bytes at a time, so the check runs while the server goes on sending (the bytes are still in
+the cache) instead of in a second pass over the whole buffer.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis.exceptions as rx
 
 SCRATCH = 64 * 1024
 _MAX_LINE = 1024
+#: the most bytes one receive lands in the caller's buffer before ``land`` sees them
+STEP = 256 * 1024
 
 
 def pack_gets(names: Sequence[str]) -> bytes:
@@ -83,19 +90,28 @@ class ReplyReader:
             return rx.ResponseError(line[1:].decode("utf-8", "replace"))
         raise rx.InvalidResponse(f"a reply GET does not give: {line[:32]!r}")
 
-    def read_into(self, dst: memoryview) -> None:
-        """Exactly ``len(dst)`` payload bytes into ``dst``, then the reply's CRLF."""
+    def read_into(self, dst: memoryview, land: Callable[[memoryview], object] | None = None,
+                  end: bool = True) -> None:
+        """Exactly ``len(dst)`` payload bytes into ``dst``, then (``end``) the reply's CRLF;
+        ``end=False`` leaves the rest of the reply to read (into another buffer). ``land``
+        is given each slice of ``dst`` once its bytes are in."""
         n = len(dst)
         have = min(n, self._end - self._start)
         dst[:have] = self._view[self._start:self._start + have]
         self._start += have
+        if land is not None and have:
+            land(dst[:have])
         pos = have
+        step = n if land is None else STEP
         while pos < n:
-            got = self._sock.recv_into(dst[pos:])
+            got = self._sock.recv_into(dst[pos:pos + step])
             if not got:
                 raise rx.ConnectionError("the server closed the connection in the middle of a reply")
+            if land is not None:
+                land(dst[pos:pos + got])
             pos += got
-        self._crlf()
+        if end:
+            self.crlf()
 
     def read_bytes(self, n: int) -> bytes:
         out = bytearray(n)
@@ -110,7 +126,7 @@ class ReplyReader:
             step = min(n, self._end - self._start)
             self._start += step
             n -= step
-        self._crlf()
+        self.crlf()
 
     def skip_reply(self) -> None:
         """Pass over a whole reply of a GET, whatever it is."""
@@ -118,7 +134,8 @@ class ReplyReader:
         if isinstance(n, int):
             self.skip(n)
 
-    def _crlf(self) -> None:
+    def crlf(self) -> None:
+        """The CRLF that ends a bulk reply (after ``read_into(..., end=False)``)."""
         while self._end - self._start < 2:
             self._fill()
         if self._buf[self._start:self._start + 2] != b"\r\n":

@@ -10,8 +10,11 @@ costs misses and counted errors (see ``RemoteTier``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +22,12 @@ from .codec import CODEC_NAMES, Codec, codec_id
 from .config import RemoteConfig
 from .errors import StoreError
 from .keys import DTYPE_SIZES
-from .types import ChunkInfo, PutItem, RewriteResult
+from .types import ChunkInfo, Origin, PutItem, RewriteResult
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from .remote import RemoteTier
+    from .remote import RemoteMeta, RemoteTier
 
 log = logging.getLogger("lmctl.store")
 
@@ -36,11 +39,29 @@ Stored = tuple[bytes, "Buffer", int, int, int, dict[str, Any], int, int]
 #: ``move --to remote`` drops the chunks it has put from the local tiers this many at a time
 MOVE_BATCH = 64
 
+#: a compressed chunk's stored bytes are at most its raw bytes plus this share and this much
+#: (zstd's worst case on incompressible data is far below: a frame header and a block header
+#: per 128 KiB)
+STORED_SLACK, STORED_SLACK_BYTES = 1 / 128, 64 << 10
+
+
+def stored_bound(raw_limit: int) -> int:
+    """The most stored bytes a chunk of at most ``raw_limit`` raw bytes can have."""
+    return raw_limit + int(raw_limit * STORED_SLACK) + STORED_SLACK_BYTES
+
+
+def writer_id(store_path: str) -> int:
+    """This store's 32-bit writer id, which its remote heads name: a digest of the host name
+    and the store's folder (so a chunk's provenance says which host and store wrote it)."""
+    h = hashlib.blake2s(f"{socket.gethostname()}\0{store_path}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") or 1
+
+
 class Sharing:
     """The remote tier of one store."""
 
     def __init__(self, cfg: RemoteConfig, codec: Callable[[], Codec],
-                 put_local: Callable[[list[PutItem]], list[bool]]) -> None:
+                 put_local: Callable[[list[PutItem]], list[bool]], writer: int = 0) -> None:
         from .remote import RemoteTier, redacted
 
         self.cfg = cfg
@@ -49,7 +70,9 @@ class Sharing:
         self._put_local = put_local
         self._lock = threading.Lock()
         self.promoted = 0
-        self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, piece_bytes=cfg.piece_bytes,
+        self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, secret_file=cfg.secret_file,
+                                           previous_secret_file=cfg.previous_secret_file, encrypt=cfg.encrypt,
+                                           trust=cfg.trust, writer=writer, piece_bytes=cfg.piece_bytes,
                                            lookup_timeout_s=cfg.lookup_timeout_s, io_timeout_s=cfg.io_timeout_s,
                                            password_file=cfg.password_file)
 
@@ -70,35 +93,45 @@ class Sharing:
     def fetch_into(self, key: bytes, out: memoryview | None, *, expect: int | None = None,
                    limit: int) -> tuple[ChunkInfo, Buffer] | None:
         """Read ``key`` from the remote tier into ``out`` (None: a new buffer of its size),
-        verified and decoded; promote it. Returns its metadata and the buffer. ``expect``: the
-        exact raw length wanted; ``limit``: the most raw bytes taken (``len(out)`` at most).
-        A chunk of other lengths is a miss."""
-        got = self.tier.get(key)
-        if got is None:
+        verified and decoded; promote it. ``expect``: the exact raw length the caller wants
+        (None: any); ``limit``: the most raw bytes it may allocate or take. A chunk whose
+        head claims other lengths is a miss (counted ``foreign``) before anything is
+        allocated. A raw chunk is received straight into ``out``. Returns its metadata and
+        the buffer."""
+        if out is not None:
+            limit = min(limit, len(out))
+        made: list[Buffer] = []
+
+        def into(m: RemoteMeta) -> Buffer:
+            if m.codec != "raw":
+                made.append(bytearray(m.stored_len or 0))
+            else:  # stored bytes are raw bytes: straight into the caller's buffer
+                made.append(out if out is not None else bytearray(m.raw_len))
+            return made[0]
+
+        m = self.tier.get_into(key, into, max_stored=stored_bound(limit), raw_len=expect, max_raw=limit)
+        if m is None:
             return None
-        m, stored = got
-        if (expect is not None and m.raw_len != expect) or m.raw_len > limit or (
-                out is not None and m.raw_len > len(out)):
-            log.warning("remote chunk %s claims %d raw bytes; the reader %s; a miss", key[16:24].hex(), m.raw_len,
-                        f"expects {expect}" if expect is not None else f"takes at most {limit}")
-            return None
-        if out is None:
-            out = memoryview(bytearray(m.raw_len))
-        try:
-            itemsize = DTYPE_SIZES.get(m.layout.get("dtype", "uint8"), 1)
-            self._codec().decode_into(codec_id(m.codec), stored, out, m.raw_len, itemsize)
-        except StoreError as exc:  # verified bytes that do not decode: foreign, a miss
-            log.warning("remote chunk %s does not decode: %s", key[16:24].hex(), exc)
-            return None
+        data: Buffer = made[0]
+        if m.codec != "raw":
+            data = out if out is not None else bytearray(m.raw_len)
+            try:
+                itemsize = DTYPE_SIZES.get(m.layout.get("dtype", "uint8"), 1)
+                self._codec().decode_into(codec_id(m.codec), made[0], memoryview(data).cast("B"), m.raw_len, itemsize)
+            except StoreError as exc:  # verified bytes that do not decode: a trusted writer's bug, a miss
+                self.tier.count_foreign(key, f"it does not decode: {exc}")
+                return None
+        origin = Origin("remote", m.writer, time.time())
         if self.cfg.promote:
             try:
-                if self._put_local([PutItem(key, out[: m.raw_len], m.layout, m.tokens, "raw")])[0]:
+                item = PutItem(key, memoryview(data)[: m.raw_len], m.layout, m.tokens, "raw", origin=origin)
+                if self._put_local([item])[0]:
                     with self._lock:
                         self.promoted += 1
             except StoreError as exc:  # a full local disk: the read still succeeded
                 log.warning("could not promote remote chunk %s: %s", key[16:24].hex(), exc)
-        return ChunkInfo(key, "remote", m.codec, m.stored_len or len(stored), m.raw_len, m.stored_len or 0,
-                         m.tokens, 0, m.written or 0.0, m.written or 0.0, 0, m.layout, -1, -1, m.level), out
+        return ChunkInfo(key, "remote", m.codec, m.stored_len or 0, m.raw_len, m.stored_len or 0, m.tokens, 0,
+                         m.written or 0.0, m.written or 0.0, 0, m.layout, -1, -1, m.level, origin), data
 
     # -- writes ----------------------------------------------------------------------------
     def push(self, chunks: Sequence[Stored]) -> int:
@@ -169,7 +202,12 @@ class Sharing:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "key_prefix": self.cfg.key_prefix, "write": self.cfg.write,
+        """Settings and counters for ``status``: ``trust`` is ``secret`` (values carry a MAC),
+        ``secret+encrypt`` or ``all-writers`` (none); ``rotating`` when a previous secret is
+        read too; ``writer`` is the id this store's heads name."""
+        trust = self.cfg.trust or ("secret+encrypt" if self.cfg.encrypt else "secret")
+        return {"url": self.url, "key_prefix": self.cfg.key_prefix, "write": self.cfg.write, "trust": trust,
+                "rotating": self.cfg.previous_secret_file is not None, "writer": f"{self.tier.writer:08x}",
                 "promoted": self.promoted, **self.tier.stats().to_dict()}
 
     def close(self) -> None:

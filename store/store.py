@@ -62,7 +62,7 @@ from .private import (
 from .reads import Reads
 from .recovery import Recovery
 from .segment import SegmentIO
-from .sharing import Sharing
+from .sharing import Sharing, writer_id
 from .space import Space, TierState
 from .types import (
     Chunk,
@@ -206,6 +206,7 @@ class Store:
                             threading.RLock())
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
         self._sharing: Sharing | None = None
+        self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
         self._reads.before_flush.append(self._meter_remote)
         self._share(self.config)
@@ -279,24 +280,36 @@ class Store:
         sharing = self._sharing
         return sharing is not None and sharing.tier.breaker.state != sharing.tier.breaker.OPEN
 
-    def _share(self, config: StoreConfig) -> None:
-        """Open (or, when its settings changed, reopen) the remote tier of ``config``."""
+    def _new_sharing(self, config: StoreConfig) -> Sharing | None:
+        """The remote tier ``config`` asks for (None: none, or the one open now is it);
+        ``StoreError`` if it cannot start (no secret, a secret file that fails its checks)."""
         old = self._sharing
-        if old is not None and config.remote == old.cfg:
-            return
-        if old is not None:
-            old.close()
-        self._sharing = None
-        self._writes.on_stored = None
-        if config.remote is None or self.readonly:
-            return
+        if config.remote is None or self.readonly or (old is not None and config.remote == old.cfg):
+            return None
 
         def promote(items: list[PutItem]) -> list[bool]:
             return self._writes.put_many(items, share=False)
 
-        self._sharing = Sharing(config.remote, lambda: self.codec, promote)
-        if config.remote.write == "always":
-            self._writes.on_stored = self._sharing.push
+        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path))
+
+    def _share(self, config: StoreConfig, new: Sharing | None = None) -> None:
+        """Open (or, when its settings changed, reopen) the remote tier of ``config`` (``new``:
+        made already). At open, a remote tier that cannot start is left off with one error
+        line (``stats().remote_refused`` says why): the store serves its local tiers."""
+        old = self._sharing
+        if old is not None and config.remote == old.cfg:
+            return
+        self._remote_refused = None
+        if new is None:
+            try:
+                new = self._new_sharing(config)
+            except StoreError as exc:
+                log.error("store %s: the remote tier does not start: %s", self.path, exc)
+                self._remote_refused = str(exc)
+        if old is not None:
+            old.close()
+        self._sharing = new
+        self._writes.on_stored = new.push if new is not None and new.cfg.write == "always" else None
 
     #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
     _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
@@ -307,6 +320,7 @@ class Store:
         "hits": ("remote_reads_total", {"result": "hit"}), "misses": ("remote_reads_total", {"result": "miss"}),
         "lookups": ("remote_lookups_total", {}), "torn": ("remote_bad_values_total", {"kind": "torn"}),
         "foreign": ("remote_bad_values_total", {"kind": "foreign"}),
+        "forged": ("remote_bad_values_total", {"kind": "forged"}),
         "evicted_discovered": ("remote_bad_values_total", {"kind": "evicted"}),
         "too_small": ("remote_bad_values_total", {"kind": "too_small"}),
         "bytes_out": ("remote_bytes_total", {"direction": "out"}),
@@ -467,6 +481,7 @@ class Store:
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
         old_events_max = self.config.event_log_max
+        sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
             # a new tier's folder first: checked and marked (or refused) before anything changes
             added = [name for name in TIER_ORDER if name in config.tiers and name not in self._tiers]
@@ -489,7 +504,7 @@ class Store:
                 st.cfg = config.tiers[name]
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
                 self._index.write(lambda t: self._events.trim(t))
-            self._share(config)  # before making room: a smaller tier spills as the new settings say
+            self._share(config, sharing)  # before making room: a smaller tier spills as the new settings say
             self._set_spill()
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
@@ -937,7 +952,8 @@ class Store:
                     pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir,
                     pinned_chunks=counted.total(tier=name).pinned_chunks)
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
-        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats())
+        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
+                          self._remote_refused)
 
     def release_memory(self, above: int = 0) -> bool:
         """Drop the index's mapped pages from this process's resident memory when more than

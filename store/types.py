@@ -10,11 +10,27 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a stored chunk came from when this store's own engines did not compute it: the
+    ``tier`` it was promoted from (``remote``), ``at`` what time it arrived (the entry's
+    creation) and the ``writer`` id its authenticated head names (0: none; ``lmctl status``
+    shows each store's own)."""
+
+    tier: str = "remote"
+    writer: int = 0
+    at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "at": self.at, "writer": f"{self.writer:08x}" if self.writer else None}
+
+
 @dataclass
 class PutItem:
     """One chunk to store: its key, payload, layout (dtype, shape), token count, codec
-    (None: the store's default) and the id of the token prefix it ends (``Store.prefix_ids``;
-    None: unknown), which lets ``Store.explain`` find it from another namespace."""
+    (None: the store's default), the id of the token prefix it ends (``Store.prefix_ids``;
+    None: unknown), which lets ``Store.explain`` find it from another namespace, and its
+    ``origin`` when it was not computed here (a chunk promoted from the remote tier)."""
 
     key: bytes
     data: Buffer
@@ -22,6 +38,7 @@ class PutItem:
     tokens: int = 0
     codec: str | None = None
     prefix: bytes | None = None
+    origin: Origin | None = None
 
 
 @dataclass
@@ -55,6 +72,7 @@ class ChunkInfo:
     segment: int
     offset: int
     level: int = 0
+    origin: Origin | None = None
 
 
 @dataclass
@@ -217,6 +235,8 @@ class StoreStats:
     write_amplification: float = 0.0
     #: the remote tier: its redacted url, settings and this process's counters (None: none)
     remote: dict[str, Any] | None = None
+    #: why the configured remote tier did not start (None: it did, or there is none)
+    remote_refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -20,7 +20,7 @@ from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_ORDER, StoreConfig
 from .errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
 from .eviction import Evictor
-from .index import Entry, Index, Txn
+from .index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
 from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
 from .segment import encode_trailer, record_len
@@ -151,6 +151,7 @@ class Writes:
                 for i, p, seg, off, csum in done:
                     key = p.item.key
                     created, last, hits = p.created, p.created, 0
+                    origin = p.item.origin
                     prefix = p.item.prefix
                     cur = t.entry_raw(key)
                     if cur is not None:
@@ -163,9 +164,11 @@ class Writes:
                             continue
                         prefix = t.unindex_entry(key, e_cur) or prefix
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
+                        origin = origin_of(e_cur)  # a move or re-encoding keeps where the chunk came from
                     e = Entry(seg, off, p.rec_len, p.stored_len, len(p.raw), csum,
                               p.item.tokens, hits, p.codec, st.tid, created, last, p.layout,
-                              0 if p.codec == 0 else (codec.level if level is None else level))
+                              0 if p.codec == 0 else (codec.level if level is None else level),
+                              ORIGIN_LOCAL if origin is None else ORIGIN_REMOTE, 0 if origin is None else origin.writer)
                     t.index_entry(key, e, prefix)
                     results[i] = True
                     payload += e.stored_len
@@ -205,6 +208,8 @@ class Writes:
                 meta: dict[str, Any] = {"layout": p.layout, "tokens": p.item.tokens}
                 if p.item.prefix:  # so that a rebuilt index knows it too
                     meta["prefix"] = p.item.prefix.hex()
+                if p.item.origin is not None:  # likewise
+                    meta["origin"] = {"tier": p.item.origin.tier, "writer": p.item.origin.writer}
                 # hashing this record overlaps the disk writes of the previous ones
                 pw = st.io.start_write(fd, off, p.stored, functools.partial(
                     encode_trailer, p.item.key, p.codec, meta, p.stored_len, len(p.raw), created=p.created))
@@ -322,7 +327,7 @@ class Writes:
             chunk = self.reads.get(key, touch=False)
             if chunk is None:
                 return "missing"
-            item = PutItem(key, chunk.data, chunk.layout, chunk.tokens, CODEC_NAMES[dst_codec])
+            item = PutItem(key, chunk.data, chunk.layout, chunk.tokens, CODEC_NAMES[dst_codec], origin=origin_of(e))
             if self.put_many([item], dst_tier, level=level, replace={key: e})[0]:
                 new = self.reads.info(key)
                 out.bytes_before += e.stored_len

@@ -44,6 +44,10 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
 * full-shm: another uid's file fills the 16 MiB tmpfs under the dram tier; saves land on
   nvme, counted as spilled, read back exactly, and dram takes saves again once it has room
   (root only; stress/scenario_full_shm.py).
+* forged (stress/scenario_forged.py): two stores of one deployment on a real redis-server, and
+  a Redis client without the secret rewriting, swapping, truncating and forging (valid
+  checksums) values at random; every read is the exact bytes or a miss, every forged value is
+  counted forged and never promoted, untouched values are hits; ends with verify --deep.
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -491,6 +495,7 @@ def main() -> int:
         ("eio", lambda w: topic("eio")(w, 2 if q else 40)),
         ("readonly", lambda w: topic("readonly")(w, 1 if q else 6)),
         ("full-shm", lambda w: topic("full_shm")(w, 1 if q else 10)),
+        ("forged", lambda w: topic("forged")(w, 60 if q else 600)),
     ]
     rows = []
     for name, run in plan:

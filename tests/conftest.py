@@ -190,6 +190,35 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         s.stop()
 
 
+@pytest.fixture
+def hosts(tmp_path: Path, servers: Callable[..., Any]) -> Iterator[Callable[..., Store]]:
+    """Stores on "machines" (folders) of one deployment, on one Redis server: ``hosts(name,
+    write="always", url=None, prefix="test", **remote)`` (``remote``: more of the store's
+    ``RemoteConfig``; the deployment's secret unless told otherwise). ``hosts.redis`` is the
+    server, ``hosts.secret`` the secret's file."""
+    from redis_server import secret_file
+
+    from store.config import RemoteConfig
+
+    redis = servers()
+    opened: list[Store] = []
+    secret = str(secret_file(tmp_path))
+
+    def host(name: str, write: str = "always", url: str | None = None, prefix: str = "test", **remote: Any) -> Store:
+        remote.setdefault("secret_file", secret)
+        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
+                          remote=RemoteConfig(url or redis.url, key_prefix=prefix, write=write, **remote))
+        s = Store(tmp_path / name, cfg)
+        opened.append(s)
+        return s
+
+    host.redis = redis  # type: ignore[attr-defined]
+    host.secret = secret  # type: ignore[attr-defined]
+    yield host
+    for s in opened:
+        s.close()
+
+
 def recount(store: Store) -> dict[str, Any]:
     """The counts ``Store.counts`` keeps, taken here from every chunk and label instead (an
     oracle independent of the index's bookkeeping), in the same shape as ``counts_of``."""

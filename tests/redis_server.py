@@ -88,3 +88,12 @@ class Server:
         except subprocess.TimeoutExpired:
             os.kill(pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+def secret_file(folder: Path, name: str = "remote.secret") -> Path:
+    """A fresh deployment secret for the remote tier in ``folder`` (as ``lmctl remote
+    secret`` writes one: 32 random bytes, hex, mode 0600)."""
+    path = folder / name
+    path.write_text(os.urandom(32).hex() + "\n")
+    path.chmod(0o600)
+    return path

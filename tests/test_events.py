@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import flip_byte
+from redis_server import secret_file
 from test_daemon import Daemon, cj, cli, tokens_file
 from test_reliability import small_disk  # noqa: F401 - a fixture
 
@@ -244,7 +245,8 @@ def test_saves_dropped_by_a_full_disk_are_explained(small_disk: Path, tmp_path: 
 def test_remote_unavailable_when_the_server_is_stopped(tmp_path: Path, servers: Any) -> None:
     redis = servers()
     ns = Namespace("m", FMT)
-    conf = cfg(remote=RemoteConfig(redis.url, key_prefix="t", write="always", lookup_timeout_s=0.2))
+    conf = cfg(remote=RemoteConfig(redis.url, key_prefix="t", write="always", lookup_timeout_s=0.2,
+                                   secret_file=str(secret_file(tmp_path))))
     with Store(tmp_path / "s", conf) as s:
         toks = doc(1, 2)
         keys = ns.chunk_keys(toks)
@@ -405,7 +407,8 @@ def test_a_chunk_moved_to_a_remote_tier_the_store_no_longer_has(tmp_path: Path, 
     not that the server dropped it."""
     redis = servers()
     ns = Namespace("m", FMT)
-    with Store(tmp_path / "s", cfg(remote=RemoteConfig(redis.url, key_prefix="t", write="never"))) as s:
+    with Store(tmp_path / "s", cfg(remote=RemoteConfig(redis.url, key_prefix="t", write="never",
+                                                                 secret_file=str(secret_file(tmp_path))))) as s:
         toks = doc(3, 1)
         keys = ns.chunk_keys(toks)
         s.put_many([PutItem(k, os.urandom(FMT.chunk_bytes), {"dtype": "float32"}, 16, prefix=p)

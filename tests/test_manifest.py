@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, content, fake_engine
-from redis_server import Server
+from redis_server import Server, secret_file
 from test_cli import error, lmctl, ok
 from test_daemon import FMT, LAYOUT, NS, OTHER, TOKENS, Daemon, fill, library, tokens_file
 
@@ -245,13 +245,15 @@ def test_warm_prefills_what_no_tier_has_and_pins(tmp_path: Path) -> None:
 def shared(tmp_path: Path, servers: Callable[..., Server]) -> Callable[..., Path]:
     """Store folders of two hosts on one Redis server: ``host(name, dram=False)``."""
     redis = servers()
+    secret = str(secret_file(tmp_path))
 
     def host(name: str, dram: bool = False) -> Path:
         tiers = {"nvme": TierConfig(capacity=256 * MiB)}
         if dram:
             tiers["dram"] = TierConfig(capacity=64 * MiB, path=str(tmp_path / name / "dram-tier"))
         with Store(tmp_path / name, StoreConfig(tiers=tiers, segment_bytes=4 * MiB,
-                                                remote=RemoteConfig(redis.url, key_prefix="test"))) as s:
+                                                remote=RemoteConfig(redis.url, key_prefix="test",
+                                                                    secret_file=secret))) as s:
             s.register_namespace(NS, {"model_id": "m", "tokenizer": None})  # an engine started here
         return tmp_path / name
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import redis
-from redis_server import Server, free_port
+from redis_server import Server, free_port, secret_file
 
 from store.breaker import CircuitBreaker
 from store.errors import StoreError
@@ -45,12 +45,16 @@ def meta(n: int, **kw: Any) -> RemoteMeta:
 
 
 @pytest.fixture
-def tiers() -> Iterator[Callable[..., RemoteTier]]:
+def tiers(tmp_path: Path) -> Iterator[Callable[..., RemoteTier]]:
+    """Tiers of one deployment: they share a secret, unless told otherwise (``trust``)."""
     made: list[RemoteTier] = []
+    secret = secret_file(tmp_path)
 
     def make(url: str, **kw: Any) -> RemoteTier:
         kw.setdefault("key_prefix", "t")
         kw.setdefault("piece_bytes", 64 * KiB)
+        if "trust" not in kw:
+            kw.setdefault("secret_file", secret)
         t = RemoteTier(url, **kw)
         made.append(t)
         return t
@@ -60,10 +64,21 @@ def tiers() -> Iterator[Callable[..., RemoteTier]]:
         t.close()
 
 
+def get(tier: RemoteTier, k: bytes) -> tuple[RemoteMeta, bytearray] | None:
+    return tier.get(k, max_stored=64 << 20)
+
+
+def names(r: redis.Redis, tier: RemoteTier, k: bytes) -> list[bytes]:
+    """The Redis names of a chunk's pieces (not its head), in order."""
+    tag = tier.head_key(k)[:-2]
+    return sorted((n for n in r.scan_iter(match=f"{tag}:*") if not n.endswith(b":h")),
+                  key=lambda n: int(n.rsplit(b":", 1)[1]))
+
+
 def roundtrip(tier: RemoteTier, i: int, n: int) -> bytes:
     data = payload(i, n)
     assert tier.put(key(i), data, meta(n, tokens=i))
-    got = tier.get(key(i))
+    got = get(tier, key(i))
     assert got is not None
     m, buf = got
     assert bytes(buf) == data
@@ -85,14 +100,14 @@ def test_round_trips_are_byte_identical_at_every_size(servers: Callable[..., Ser
         m = tier.get_into(key(i), out)
         assert m is not None and bytes(out[:n]) == data and m.piece_bytes == pb
         assert m.written is not None and abs(m.written - time.time()) < 60
-        m = tier.get_into(key(i), lambda m: memoryview(bytearray(m.stored_len or 0)))
+        m = tier.get_into(key(i), lambda m: memoryview(bytearray(m.stored_len or 0)), max_stored=n)
         assert m is not None
-        pieces = len([k for k in r.scan_iter(match=f"t:{{{key(i).hex()}}}:*") if not k.endswith(b":h")])
+        pieces = len(names(r, tier, key(i)))
         assert pieces == -(-n // pb)
     # a compressed payload's metadata travels as given
     assert tier.put(key(50), b"zz" * 100, RemoteMeta(raw_len=4096, codec="zstd-shuffle", level=3, tokens=256,
                                                       layout={"shape": [2, 2, 16, 2, 32]}))
-    got = tier.get(key(50))
+    got = get(tier, key(50))
     assert got is not None and got[0].codec == "zstd-shuffle" and got[0].level == 3 and got[0].raw_len == 4096
     assert got[0].layout == {"shape": [2, 2, 16, 2, 32]} and got[0].tokens == 256
     st = tier.stats()
@@ -121,16 +136,16 @@ def test_reads_keep_the_connection_in_step_whatever_they_find(servers: Callable[
     roundtrip(tier, 1, 7 * pb + 3)
     roundtrip(tier, 2, pb // 2)
     big = roundtrip(tier, 1, 7 * pb + 3)  # the next reads ask for 8 pieces
-    assert tier.get(key(9)) is None  # absent: 8 nil replies consumed
+    assert get(tier, key(9)) is None  # absent: 8 nil replies consumed
     assert tier.get_into(key(1), bytearray(100)) is None and tier.stats().too_small == 1
     r.set(tier.head_key(key(3)), b"LMRC" + bytes(200))  # foreign, with pieces-shaped keys beside it
     for i in range(8):
         r.set(tier.piece_keys(key(3), 8)[i], b"p" * pb)
-    assert tier.get(key(3)) is None and tier.stats().foreign == 1
+    assert get(tier, key(3)) is None and tier.stats().foreign == 1
     r.set(tier.head_key(key(4)), b"x")
     r.hset(tier.piece_keys(key(4), 1)[0], "f", "v")  # a piece of another type: an error reply
-    assert tier.get(key(4)) is None
-    got = tier.get(key(1))
+    assert get(tier, key(4)) is None
+    got = get(tier, key(1))
     assert got is not None and bytes(got[1]) == big
     # a chunk with more pieces than the guess: the rest in a second round trip
     roundtrip(tier, 5, pb)
@@ -153,7 +168,7 @@ def test_overwrite_leaves_no_stale_pieces_and_delete_removes_everything(servers:
     assert tier.delete([key(1), key(3)]) == 1
     assert tier.contains_many([key(1), key(2)]) == [False, True]
     assert r.dbsize() == 1 + 2
-    assert tier.get(key(1)) is None and tier.stats().misses == 1
+    assert get(tier, key(1)) is None and tier.stats().misses == 1
 
 
 def test_concurrent_writers_and_readers_never_see_mixed_bytes(servers: Callable[..., Server],
@@ -173,7 +188,7 @@ def test_concurrent_writers_and_readers_never_see_mixed_bytes(servers: Callable[
 
     def read() -> None:
         while time.monotonic() < stop:
-            got = tier.get(key(1))
+            got = get(tier, key(1))
             if got is not None:
                 data = bytes(got[1])
                 (seen if data in versions else wrong).append(1)
@@ -202,61 +217,77 @@ def test_buffers_and_arguments(servers: Callable[..., Server], tiers: Callable[.
         tier.contains_many(["not bytes"])  # type: ignore[list-item]
     with pytest.raises(StoreError):
         tier.put(key(1), b"x", meta(1, codec="lz5"))
-    assert tier.get(key(1)) is not None
+    assert get(tier, key(1)) is not None
 
 
 # -- torn and foreign values -----------------------------------------------------------------
-def test_torn_values_are_misses_and_counted(servers: Callable[..., Server], tiers: Callable[..., RemoteTier]) -> None:
+@pytest.mark.parametrize("trust", [None, "all-writers"])
+def test_damaged_values_are_misses_and_counted(servers: Callable[..., Server], tiers: Callable[..., RemoteTier],
+                                               trust: str | None) -> None:
+    """Damaged values, with a secret (bytes that fail a MAC are ``forged``) and without one
+    (they fail a checksum: ``torn``); pieces of the wrong length are torn either way."""
     srv = servers()
     pb = 4 * KiB
-    tier = tiers(srv.url, piece_bytes=pb)
+    tier = tiers(srv.url, piece_bytes=pb, **({"trust": trust} if trust else {}))
+    bad = "torn" if trust else "forged"
     r = srv.client()
 
     def pieces(i: int) -> list[bytes]:
-        return sorted((k for k in r.scan_iter(match=f"t:{{{key(i).hex()}}}:*") if not k.endswith(b":h")),
-                      key=lambda k: int(k.rsplit(b":", 1)[1]))
+        return names(r, tier, key(i))
+
+    def counted() -> tuple[int, int, int]:
+        st = tier.stats()
+        return st.evicted_discovered, st.torn, st.forged
+
+    def plus(evicted: int = 0, torn: int = 0, forged: int = 0) -> tuple[int, int, int]:
+        b = before
+        return b[0] + evicted, b[1] + torn + (forged if bad == "torn" else 0), b[2] + (forged if bad == "forged" else 0)
 
     # a piece deleted (as an eviction would): evicted_discovered, and the chunk is dropped
+    before = counted()
     roundtrip(tier, 1, 3 * pb)
     r.delete(pieces(1)[1])
-    assert tier.get(key(1)) is None
-    st = tier.stats()
-    assert (st.evicted_discovered, st.torn) == (1, 0)
+    assert get(tier, key(1)) is None and counted() == plus(evicted=1)
     assert tier.contains_many([key(1)]) == [False] and r.dbsize() == 0
 
-    # a piece corrupted, same length: torn
+    # a piece corrupted, same length
+    before = counted()
     roundtrip(tier, 2, 3 * pb)
     p = pieces(2)[2]
     v = bytearray(r.get(p) or b"")
     v[7] ^= 1
     r.set(p, bytes(v))
-    assert tier.get(key(2)) is None and tier.stats().torn == 1
+    assert get(tier, key(2)) is None and counted() == plus(forged=1)
     assert r.dbsize() == 0
 
     # a piece cut short: torn
+    before = counted()
     roundtrip(tier, 3, 2 * pb + 10)
     r.set(pieces(3)[2], b"short")
     out = bytearray(3 * pb)
-    assert tier.get_into(key(3), out) is None and tier.stats().torn == 2
+    assert tier.get_into(key(3), out) is None and counted() == plus(torn=1)
 
-    # an older head over pieces of other bytes of the same length: torn, dropped
+    # an older head over pieces of other bytes of the same length: dropped
+    before = counted()
     roundtrip(tier, 4, 2 * pb)
     head1 = r.get(tier.head_key(key(4)))
     assert tier.put(key(4), payload(5, 2 * pb), meta(2 * pb))  # other bytes, same length
     r.set(tier.head_key(key(4)), head1 or b"")
-    assert tier.get(key(4)) is None and tier.stats().torn == 3 and r.dbsize() == 0
+    assert get(tier, key(4)) is None and counted() == plus(forged=1) and r.dbsize() == 0
     # a head whose last piece is gone: evicted
+    before = counted()
     roundtrip(tier, 4, 3 * pb)
     r.delete(tier.piece_keys(key(4), 3)[2])
-    assert tier.get(key(4)) is None and tier.stats().evicted_discovered == 2
+    assert get(tier, key(4)) is None and counted() == plus(evicted=1)
 
-    # a damaged head (its own checksum fails): torn
+    # a damaged head (its MAC or checksum fails)
+    before = counted()
     roundtrip(tier, 5, 100)
     h = bytearray(r.get(tier.head_key(key(5))) or b"")
-    h[30] ^= 0xFF
+    h[40] ^= 0xFF
     r.set(tier.head_key(key(5)), bytes(h))
-    assert tier.get(key(5)) is None and tier.stats().torn == 4
-    assert tier.stats().misses == 6 and tier.stats().errors == 0
+    assert get(tier, key(5)) is None and counted() == plus(forged=1)
+    assert tier.stats().misses == 6 and tier.stats().errors == 0 and tier.stats().foreign == 0
 
 
 def test_foreign_values_are_misses_and_counted(servers: Callable[..., Server],
@@ -266,20 +297,20 @@ def test_foreign_values_are_misses_and_counted(servers: Callable[..., Server],
     r = srv.client()
     r.set(tier.head_key(key(1)), b"somebody else's value")
     assert tier.contains_many([key(1)]) == [True]
-    assert tier.get(key(1)) is None
+    assert get(tier, key(1)) is None
     assert tier.stats().foreign == 1
     r.delete(tier.head_key(key(1)))
     r.hset(tier.head_key(key(2)), "f", "v")  # another type: WRONGTYPE, foreign, not a failing server
-    assert tier.get(key(2)) is None
+    assert get(tier, key(2)) is None
     roundtrip(tier, 3, 5000)
-    r.set(tier.head_key(key(4)), r.get(tier.head_key(key(3))) or b"")  # another chunk's head
-    assert tier.get(key(4)) is None
+    r.set(tier.head_key(key(4)), r.get(tier.head_key(key(3))) or b"")  # another chunk's head: its MAC fails
+    assert get(tier, key(4)) is None
     h = bytearray(r.get(tier.head_key(key(3))) or b"")
     h[4] = 9  # another format version
     r.set(tier.head_key(key(3)), bytes(h))
-    assert tier.get(key(3)) is None
+    assert get(tier, key(3)) is None
     st = tier.stats()
-    assert (st.foreign, st.torn, st.errors, st.breaker) == (4, 0, 0, "closed")
+    assert (st.foreign, st.forged, st.torn, st.errors, st.breaker) == (3, 1, 0, 0, "closed")
     # a put over a foreign value of another type replaces it
     roundtrip(tier, 2, 300)
 
@@ -303,7 +334,7 @@ def test_oom_makes_put_return_false_and_is_counted(servers: Callable[..., Server
     assert r.dbsize() == len(stored) * (1 + 4)
     assert not r.exists(tier.head_key(key(len(stored))))
     # reads go on
-    got = tier.get(key(stored[-1]))
+    got = get(tier, key(stored[-1]))
     assert got is not None and bytes(got[1]) == payload(stored[-1], 200 * KiB)
     # with a pause after OOM, puts are refused without a round trip for a while
     paused = tiers(srv.url, piece_bytes=64 * KiB, oom_pause_s=30.0, key_prefix="p")
@@ -323,7 +354,7 @@ def test_lru_eviction_of_pieces_is_a_counted_miss(servers: Callable[..., Server]
         assert tier.put(key(i), payload(i, size), meta(size))
     hits = 0
     for i in range(n):
-        got = tier.get(key(i))
+        got = get(tier, key(i))
         if got is not None:
             assert bytes(got[1][:4096]) == payload(i, size)[:4096]
             hits += 1
@@ -346,7 +377,7 @@ def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
         assert tier.contains_many([key(1)]) == [False]
         assert time.monotonic() - t0 < 1.0
         t0 = time.monotonic()
-        assert tier.get(key(1)) is None
+        assert get(tier, key(1)) is None
         assert time.monotonic() - t0 < 2.0
         st = tier.stats()
         assert st.breaker == "open" and st.timeouts >= 2 and st.breaker_opened == 1
@@ -354,7 +385,7 @@ def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
         t0 = time.monotonic()
         assert tier.contains_many([key(1)]) == [False]
         assert not tier.put(key(2), b"abc", meta(3))
-        assert tier.get(key(1)) is None
+        assert get(tier, key(1)) is None
         assert time.monotonic() - t0 < 0.05
         assert tier.stats().calls == st.calls and tier.stats().short_circuited == 3
         # a probe after the backoff fails again: open for longer
@@ -371,7 +402,7 @@ def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
         assert time.monotonic() < deadline, tier.stats()
         time.sleep(0.05)
     assert tier.stats().breaker == "closed"
-    got = tier.get(key(1))
+    got = get(tier, key(1))
     assert got is not None and bytes(got[1]) == data
     assert tier.put(key(2), b"abc", meta(3))
     assert "circuit breaker open" in caplog.text and "circuit breaker closed" in caplog.text
@@ -387,7 +418,7 @@ def test_dead_server_fails_fast_and_a_restarted_one_is_used_again(servers: Calla
     srv.proc.wait(5)
     t0 = time.monotonic()
     assert not tier.put(key(2), b"x" * 100, meta(100))
-    assert tier.get(key(1)) is None and tier.contains_many([key(1)]) == [False]
+    assert get(tier, key(1)) is None and tier.contains_many([key(1)]) == [False]
     assert time.monotonic() - t0 < 1.0
     st = tier.stats()
     assert st.breaker == "open" and st.errors == 1 and st.short_circuited == 2
@@ -398,8 +429,8 @@ def test_dead_server_fails_fast_and_a_restarted_one_is_used_again(servers: Calla
         assert time.monotonic() < deadline, tier.stats()
         time.sleep(0.05)
     assert tier.stats().breaker == "closed"
-    assert tier.get(key(1)) is None  # the restarted server lost it: a plain miss
-    got = tier.get(key(2))
+    assert get(tier, key(1)) is None  # the restarted server lost it: a plain miss
+    got = get(tier, key(2))
     assert got is not None and bytes(got[1]) == b"x" * 100
 
 
@@ -455,7 +486,7 @@ def test_passwords_from_the_url_and_from_a_file_are_never_shown(
     pw.write_text(secret + "\n")
     pw.chmod(0o600)
     t2 = tiers(srv.url, password_file=pw)
-    assert t2.get(key(1)) is not None
+    assert get(t2, key(1)) is not None
     # an ACL user restricted to its own prefix, password from a file
     pw2 = tmp_path / "engine.pass"
     pw2.write_text("other-" + secret)
@@ -464,23 +495,23 @@ def test_passwords_from_the_url_and_from_a_file_are_never_shown(
     roundtrip(t3, 2, 3000)
     roundtrip(t3, 2, 2500)  # an overwrite in place
     admin.delete(t3.piece_keys(key(2), 3)[1])
-    assert t3.get(key(2)) is None and t3.stats().evicted_discovered == 1  # dropped under WATCH
+    assert get(t3, key(2)) is None and t3.stats().evicted_discovered == 1  # dropped under WATCH
     assert t3.contains_many([key(2)]) == [False] and t3.delete([key(2)]) == 0
     assert t3.stats().errors == 0
     t4 = tiers(f"redis://engine@127.0.0.1:{srv.port}/0", password_file=pw2, key_prefix="team-b")
     assert not t4.put(key(3), b"x", meta(1)) and t4.stats().errors == 1  # NOPERM: counted, not raised
     # a wrong password: counted failures, never an exception
     t5 = tiers(f"redis://:wrong-{secret}@127.0.0.1:{srv.port}/0", breaker_failures=1)
-    assert not t5.put(key(1), b"x", meta(1)) and t5.get(key(1)) is None
+    assert not t5.put(key(1), b"x", meta(1)) and get(t5, key(1)) is None
     assert t5.stats().errors == 1 and t5.stats().breaker == "open"
     # a password file readable by others still works, with a warning
     pw.chmod(0o644)
-    assert tiers(srv.url, password_file=pw).get(key(1)) is not None
+    assert get(tiers(srv.url, password_file=pw), key(1)) is not None
     assert "can be read by other users" in caplog.text
     with pytest.raises(StoreError, match="give it once"):
-        RemoteTier(url, key_prefix="t", password_file=pw)
+        RemoteTier(url, key_prefix="t", password_file=pw, trust="all-writers")
     with pytest.raises(StoreError, match="cannot read"):
-        RemoteTier(srv.url, key_prefix="t", password_file=tmp_path / "missing")
+        RemoteTier(srv.url, key_prefix="t", password_file=tmp_path / "missing", trust="all-writers")
     assert secret not in caplog.text and caplog.text
 
 
@@ -488,9 +519,9 @@ def test_key_prefixes_isolate_deployments(servers: Callable[..., Server], tiers:
     srv = servers()
     a, b = tiers(srv.url, key_prefix="site-a"), tiers(srv.url, key_prefix="site-b")
     assert a.put(key(1), b"A" * 5000, meta(5000))
-    assert b.contains_many([key(1)]) == [False] and b.get(key(1)) is None
+    assert b.contains_many([key(1)]) == [False] and get(b, key(1)) is None
     assert b.put(key(1), b"B" * 7000, meta(7000))
-    ga, gb = a.get(key(1)), b.get(key(1))
+    ga, gb = get(a, key(1)), get(b, key(1))
     assert ga is not None and bytes(ga[1]) == b"A" * 5000
     assert gb is not None and bytes(gb[1]) == b"B" * 7000
     assert a.delete([key(1)]) == 1
@@ -504,18 +535,18 @@ def test_settings_are_checked() -> None:
         with pytest.raises(StoreError, match="key prefix"):
             RemoteTier("redis://127.0.0.1:1/0", key_prefix=prefix)
     with pytest.raises(StoreError, match="must start with"):
-        RemoteTier("http://127.0.0.1:1/0", key_prefix="t")
+        RemoteTier("http://127.0.0.1:1/0", key_prefix="t", trust="all-writers")
     with pytest.raises(StoreError, match="Unix socket"):
-        RemoteTier("unix:///tmp/x.sock?cluster=1", key_prefix="t")
+        RemoteTier("unix:///tmp/x.sock?cluster=1", key_prefix="t", trust="all-writers")
     with pytest.raises(StoreError, match="database 0"):
-        RemoteTier("redis://127.0.0.1:1/3", key_prefix="t", cluster=True)
+        RemoteTier("redis://127.0.0.1:1/3", key_prefix="t", cluster=True, trust="all-writers")
     with pytest.raises(StoreError, match="piece_bytes"):
-        RemoteTier("redis://127.0.0.1:1/0", key_prefix="t", piece_bytes=0)
+        RemoteTier("redis://127.0.0.1:1/0", key_prefix="t", piece_bytes=0, trust="all-writers")
     with pytest.raises(StoreError, match="redis option"):
-        RemoteTier("redis://127.0.0.1:1/0", key_prefix="t", password="x")
+        RemoteTier("redis://127.0.0.1:1/0", key_prefix="t", password="x", trust="all-writers")
     with pytest.raises(StoreError, match="cannot be parsed"):
-        RemoteTier("redis://:pw@127.0.0.1:notaport/0", key_prefix="t")
-    t = RemoteTier("redis://127.0.0.1:1/0?cluster=yes", key_prefix="t")  # nothing is contacted yet
+        RemoteTier("redis://:pw@127.0.0.1:notaport/0", key_prefix="t", trust="all-writers")
+    t = RemoteTier("redis://127.0.0.1:1/0?cluster=yes", key_prefix="t", trust="all-writers")  # nothing is contacted yet
     assert t.cluster and "cluster" not in t._target
     t.close()
 
@@ -545,9 +576,9 @@ def test_tls_url(servers: Callable[..., Server], tiers: Callable[..., RemoteTier
     roundtrip(tier, 1, 300 * KiB)
     # without the CA the certificate is refused: a counted failure, not an exception
     bad = tiers(f"rediss://127.0.0.1:{port}/0")
-    assert bad.get(key(1)) is None and bad.stats().errors == 1
+    assert get(bad, key(1)) is None and bad.stats().errors == 1
     plain = tiers(f"redis://127.0.0.1:{port}/0", io_timeout_s=0.5)
-    assert plain.get(key(1)) is None and plain.stats().errors == 1
+    assert get(plain, key(1)) is None and plain.stats().errors == 1
 
 
 # -- Redis Cluster -------------------------------------------------------------------------
@@ -572,7 +603,8 @@ def test_redis_cluster_keeps_each_chunk_on_one_node(cluster: list[Server], tiers
         roundtrip(tier, i, n)
     roundtrip(tier, 1, 3 * pb)  # overwrites: pieces the last put does not have are deleted on their node
     roundtrip(tier, 1, 2 * pb)
-    assert sum(len(n.client().keys(f"cl:{{{key(1).hex()}}}:*")) for n in cluster) == 1 + 2
+    tags = {i: tier.head_key(key(i))[3:-2].strip("{}") for i in range(30)}  # each chunk's hash tag
+    assert sum(len(n.client().keys(f"cl:{{{tags[1]}}}:*")) for n in cluster) == 1 + 2
     sizes[1] = 2 * pb
     where: dict[str, set[int]] = {}
     for node_no, srv in enumerate(cluster):
@@ -586,10 +618,10 @@ def test_redis_cluster_keeps_each_chunk_on_one_node(cluster: list[Server], tiers
     assert tier.contains_many(keys) == [i < 24 for i in range(30)]
     # a piece gone on its node: a counted miss, and the chunk is dropped (WATCH on that node)
     victim = max(sizes, key=lambda i: sizes[i])
-    node = cluster[next(iter(where[key(victim).hex()]))].client()
-    piece = next(k for k in node.keys(f"cl:{{{key(victim).hex()}}}:*") if not k.endswith(b":h"))
+    node = cluster[next(iter(where[tags[victim]]))].client()
+    piece = next(k for k in node.keys(f"cl:{{{tags[victim]}}}:*") if not k.endswith(b":h"))
     node.delete(piece)
-    assert tier.get(key(victim)) is None and tier.stats().evicted_discovered == 1
+    assert get(tier, key(victim)) is None and tier.stats().evicted_discovered == 1
     assert tier.contains_many([key(victim)]) == [False]
     assert tier.delete(keys) == 23
     assert sum(n.client().dbsize() for n in cluster) == 0

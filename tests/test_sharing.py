@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import SMALL_FMT, SMALL_LAYOUT, content
@@ -17,25 +18,6 @@ from store.config import RemoteConfig
 N = SMALL_FMT.chunk_bytes
 NS = Namespace("shared-model", SMALL_FMT)
 TOKENS = list(range(16 * 6))
-
-
-@pytest.fixture
-def hosts(tmp_path: Path, servers: Callable[..., Server]) -> Iterator[Callable[..., Store]]:
-    """Stores on two "machines" (two folders), both on one Redis server."""
-    redis = servers()
-    opened: list[Store] = []
-
-    def host(name: str, write: str = "always", url: str | None = None, prefix: str = "test") -> Store:
-        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
-                          remote=RemoteConfig(url or redis.url, key_prefix=prefix, write=write))
-        s = Store(tmp_path / name, cfg)
-        opened.append(s)
-        return s
-
-    host.redis = redis  # type: ignore[attr-defined]
-    yield host
-    for s in opened:
-        s.close()
 
 
 def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Callable[..., Store]) -> None:
@@ -124,7 +106,6 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     lookup, 5 ms of waiting in the scheduler): the near half gets generous ones, so what it
     checks is that the answer comes in the same call, not how fast this machine is."""
     from types import SimpleNamespace
-    from typing import Any
 
     import engine_hook.scheduler as scheduler_mod
     from engine_hook.config import ConnectorSettings
@@ -140,7 +121,8 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     keys = ns.chunk_keys(TOKENS)
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:4]]))
     settings = ConnectorSettings.parse({"store_path": str(tmp_path / "b"), "chunk_size": 16, "model_fingerprint": "off",
-                                        "remote_url": url, "remote_key_prefix": "test"})
+                                        "remote_url": url, "remote_key_prefix": "test",
+                                        "remote_secret_file": hosts.secret})  # type: ignore[attr-defined]
     sched = LMCtlConnectorScheduler(ConnectorContext(settings, "m", SMALL_FMT, ["l0", "l1"], 16, None, None, {}))
     try:
         assert sched.store.has_remote and sched.store.config.remote.key_prefix == "test"  # type: ignore[union-attr]
@@ -177,14 +159,26 @@ def test_connector_remote_settings_are_checked() -> None:
         ConnectorSettings.parse({"store_path": "/x", "remote_write": "never"})
     with pytest.raises(StoreError, match="write policy"):
         ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_write": "sometimes"})
-    s = ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_key_prefix": "prod"})
+    with pytest.raises(StoreError, match="has no secret.*remote_secret_file.*lmctl remote secret"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0"})
+    with pytest.raises(StoreError, match="need remote_url"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_secret_file": "/s"})
+    with pytest.raises(StoreError, match="remote_encrypt must be true or false"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_encrypt": "yes"})
+    with pytest.raises(StoreError, match="remote_encrypt need remote_secret_file"):
+        ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_trust": "all-writers",
+                                 "remote_encrypt": True})
+    s = ConnectorSettings.parse({"store_path": "/x", "remote_url": "redis://c:1/0", "remote_key_prefix": "prod",
+                                 "remote_secret_file": "/etc/lmctl/remote.secret", "remote_encrypt": True})
     assert (s.remote_url, s.remote_key_prefix, s.remote_write) == ("redis://c:1/0", "prod", None)
+    assert (s.remote_secret_file, s.remote_encrypt, s.remote_trust) == ("/etc/lmctl/remote.secret", True, None)
 
 
 def test_write_evict_puts_what_eviction_takes_and_nothing_else(hosts: Callable[..., Store], tmp_path: Path) -> None:
     redis: Server = hosts.redis  # type: ignore[attr-defined]
     cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=16 * MiB)}, segment_bytes=1 * MiB,
-                      remote=RemoteConfig(redis.url, key_prefix="test", write="evict"))
+                      remote=RemoteConfig(redis.url, key_prefix="test", write="evict",
+                                          secret_file=hosts.secret))  # type: ignore[attr-defined]
     a = Store(tmp_path / "small", cfg)
     try:
         big = 1 << 20

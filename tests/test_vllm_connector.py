@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, env_with_path, flip_byte
+from redis_server import secret_file
 from test_daemon import Daemon, cj  # noqa: E402
 
 import demo.engine  # noqa: F401  (sets vLLM's environment first; vLLM is required, never skipped)
@@ -412,7 +413,7 @@ def test_two_engines_share_chunks_through_a_redis_server(models: dict[str, Path]
     costs misses (correct outputs, no long waits), never errors; when it is back, sharing
     resumes."""
     redis = servers()
-    shared = {"remote_url": redis.url, "remote_key_prefix": "t"}
+    shared = {"remote_url": redis.url, "remote_key_prefix": "t", "remote_secret_file": str(secret_file(tmp_path))}
     first = Engine(models, tmp_path / "host1", **shared)
     try:
         for p, a in (("P", "A"), ("Q", None), ("S", None)):
