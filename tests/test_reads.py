@@ -155,14 +155,18 @@ def test_a_trailer_that_claims_impossible_lengths_is_not_a_trailer() -> None:
 def test_a_remote_chunk_of_another_length_is_a_miss(tmp_path: Path, servers: Callable[..., Any]) -> None:
     """Read through the remote tier: a chunk of other lengths than the reader's is a miss (today
     a buffer smaller than the chunk raises StoreError)."""
+    from redis_server import secret_file
+
     from store import MiB, StoreConfig, TierConfig
     from store.config import RemoteConfig
 
     redis = servers()
+    secret = str(secret_file(tmp_path))
 
     def host(name: str) -> Store:
         return Store(tmp_path / name, StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)},
-                                                  remote=RemoteConfig(redis.url, key_prefix="t", write="always")))
+                                                  remote=RemoteConfig(redis.url, key_prefix="t", write="always",
+                                                                      secret_file=secret)))
 
     a, b = host("a"), host("b")
     try:
