@@ -302,7 +302,7 @@ class Recovery:
                     p.fixed = True
         for k in unreadable:
             problems.append(Problem("unreadable-entry", f"chunk {short_key(k)}: its index entry cannot be decoded",
-                                    fix))
+                                    fix, key=k))
         if fix and unreadable:
             def forget(t: Txn) -> None:
                 for k in unreadable:
@@ -346,9 +346,9 @@ class Recovery:
             if kind == "missing-file" and st is not None and os.path.exists(st.io.path(e.seg)):
                 continue
             if kind == "dangling-entry":
-                problems.append(Problem(kind, f"chunk {short_key(key)} points to missing segment {e.seg}"))
+                problems.append(Problem(kind, f"chunk {short_key(key)} points to missing segment {e.seg}", key=key))
             else:
-                problems.append(Problem(kind, f"segment {e.seg} file is missing"))
+                problems.append(Problem(kind, f"segment {e.seg} file is missing", key=key))
             bad.append((key, e))
         return bad
 
@@ -391,7 +391,7 @@ class Recovery:
                 except (CorruptRecord, SegmentGone, ValueError, OverflowError) as exc:
                     if self._moved(key, e):
                         continue
-                    problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
+                    problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}", key=key))
                     bad.append((key, e))
             if progress is not None:
                 progress(min(done, total), total)
