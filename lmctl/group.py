@@ -363,6 +363,13 @@ class Lmctl(TyperGroup):
             rv = super().main(args=args, prog_name="lmctl", standalone_mode=False, obj=term)
         except typer.Exit as exc:
             return int(exc.exit_code)
+        except SystemExit:
+            # typer ends a help page written to a closed stdout with exit 1, once it has
+            # wrapped the streams to keep quiet: the reader went away, which is no failure
+            if isinstance(sys.stdout, click.utils.PacifyFlushWrapper):
+                term.silence()
+                return int(ExitStatus.OK)
+            raise
         except click.exceptions.NoArgsIsHelpError as exc:  # a group without its command: its help
             return self.missing_command(term, exc.ctx)
         except Exception as exc:  # the parser refused the line (or a bug)
