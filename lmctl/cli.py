@@ -173,7 +173,7 @@ def serve(
                 raise CommandError("usage", "give --store DIR (or $LMCTL_STORE, or store in the config file's "
                                             "[daemon])")
             # the socket: serve's --socket, else the global --socket / $LMCTL_SOCKET, else the file's
-            sock = socket_path or (term.socket if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
+            sock = socket_path or (term.address if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
             sock = sock or daemon.get("socket")
             level = (log_level or daemon.get("log_level") or "info").upper()
             if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

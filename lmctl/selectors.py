@@ -22,7 +22,6 @@ from typing import Annotated, Any
 
 import typer
 
-from .client import Client, default_socket
 from .completion import complete_values
 from .terminal import CommandError, Terminal, human
 from .units import parse_duration
@@ -38,6 +37,8 @@ _HEX = re.compile(r"[0-9a-fA-F]+")
 def _complete_names(kind: str) -> Callable[[str], list[str]]:
     """Shell completion of label, adapter and model names, asked of the daemon."""
     def complete(incomplete: str) -> list[str]:
+        from .client import Client, default_socket
+
         try:
             names = Client(default_socket(), timeout=2).call("names")
         except Exception:

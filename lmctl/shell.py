@@ -224,9 +224,9 @@ class Shell:
             readline.parse_and_bind("tab: complete")
         self.probe()
         if interactive:
-            self.term.echo(f"lmctl shell on {self.term.socket}; type help, Tab to complete, exit to leave")
+            self.term.echo(f"lmctl shell on {self.term.address}; type help, Tab to complete, exit to leave")
             if not self.connected:
-                self.term.echo(f"no daemon answers on {self.term.socket} yet: commands fail until one does "
+                self.term.echo(f"no daemon answers on {self.term.address} yet: commands fail until one does "
                                "(lmctl serve --store DIR)")
         status = int(ExitStatus.OK)
         try:

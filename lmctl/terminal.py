@@ -31,11 +31,12 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import typer
 
-from .client import Client, RemoteError, Unreachable, default_socket
+if TYPE_CHECKING:
+    from .client import Client
 
 
 def _console_class() -> Any:
@@ -96,6 +97,8 @@ def classify(exc: BaseException) -> Failure:
     """The one rule: what a command that ended with ``exc`` exits with and says."""
     from typer import _click as click  # typer's own click (typer >= 0.25 vendors it)
 
+    from .client import RemoteError, Unreachable
+
     if isinstance(exc, Unreachable):
         return Failure.of("unreachable", str(exc))
     if isinstance(exc, (RemoteError, CommandError)):
@@ -149,7 +152,7 @@ class Terminal:
     stderr: TextIO | None = None
     is_tty: bool | None = None
     color: bool | None = None
-    socket: str = field(default_factory=default_socket)
+    socket: str | None = None  # None: the default (``address``)
     socket_given: bool = False  # --socket or $LMCTL_SOCKET named it (serve then uses it)
     keep_open: bool = False  # the shell keeps one connection for the whole session
     client: Client | None = None
@@ -158,6 +161,13 @@ class Terminal:
     line: list[str] = field(default_factory=list)  # the words of the command line being run
     #: the last progress the daemon reported for the running request: (done, total, what)
     last_progress: tuple[int, int, str] | None = None
+
+    @property
+    def address(self) -> str:
+        """The daemon's socket: ``socket``, else $LMCTL_SOCKET, else $LMCTL_STORE's."""
+        from .client import default_socket
+
+        return self.socket or default_socket()
 
     @staticmethod
     def of(ctx: typer.Context) -> Terminal:
@@ -305,7 +315,9 @@ class Terminal:
         """One request to the daemon; ``long`` ones show a progress bar (not under --json),
         or tell ``progress`` how the job goes (a caller that shows one bar for many requests)."""
         if self.client is None:
-            self.client = Client(self.socket)
+            from .client import Client
+
+            self.client = Client(self.address)
         self.last_progress = None
         try:
             # a caller with a bar of its own has it show how the requests go

@@ -567,3 +567,22 @@ def test_plain_options_are_coerced_without_pydantic() -> None:
         r = lmctl(None, *args)
         assert r.exit_code == 2 and says in r.stderr, r.stderr
 
+
+
+def test_warm_manifest_takes_the_salt_from_the_environment(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    assert ok(daemon, "pin", "--label", "tenant", "--tokens", doc, "--cache-salt", "s3")["added"] == 4
+    manifest = str(tmp_path / "m.json")
+    assert ok(daemon, "pin", "--export-manifest", manifest, "--label", "tenant")["needs_cache_salt"] == 1
+    ok(daemon, "unpin", "--label", "tenant")
+    env = {"LMCTL_CACHE_SALT": "s3"}
+    r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", manifest, "--pin"],
+                           obj=Terminal(is_tty=False, color=False), env=env)
+    assert r.exit_code == 0, r.stdout
+    with library(daemon) as s:
+        assert sorted(s.labels()["tenant"]) == sorted(Namespace("m", NS.kv_format, cache_salt="s3").chunk_keys(TOKENS))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([{"tokens": TOKENS, "model": "m"}]))
+    r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", str(plain)],
+                           obj=Terminal(is_tty=False, color=False), env=env)
+    assert r.exit_code == 0, r.stdout  # a salt in the environment may go unused; --cache-salt may not
