@@ -247,8 +247,8 @@ def _show_export(term: Terminal, r: dict[str, Any]) -> None:
     salted = (f"; {r['needs_cache_salt']} need --cache-salt to be warmed (salts are never exported)"
               if r["needs_cache_salt"] else "")
     keyed = f", {r['keys']} of chunk keys (pinned without a document lmctl recorded)" if r["keys"] else ""
-    term.console().print(f"{'would write' if r['dry_run'] else 'wrote'} {r['manifest']}: {r['documents']} "
-                         f"document(s){keyed}, {r['chunks']} pinned chunk(s){salted}")
+    term.say(f"{'would write' if r['dry_run'] else 'wrote'} {r['manifest']}: {r['documents']} "
+             f"document(s){keyed}, {r['chunks']} pinned chunk(s){salted}")
 
 
 # -- warm --manifest ---------------------------------------------------------------------------
@@ -334,22 +334,22 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
 
 
 def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
-    from .terminal import human
+    from .terminal import human, printable
 
     rows = [[str(x["index"]), x["label"] or "-", x["document"], str(x["chunks"]), str(x["found"]), str(x["moved"]),
              str(x["fetched"]), str(x["prefilled"]), str(x["missing"]),
              "failed" if x["error"] else "ok" if not x["missing"] else "partial"] for x in r["entries"]]
     term.table(None, ["entry", "label", "document", "chunks", "found", "moved", "from remote", "prefilled", "missing",
                       "status"], rows, {"chunks", "found", "moved", "from remote", "prefilled", "missing"})
-    c = term.console()
+
     def entries(n: int) -> str:
         return f"{n} entr{'y' if n == 1 else 'ies'}"
 
-    c.print(f"{'would warm' if r['dry_run'] else 'warmed'} {entries(len(r['entries']))} into {r['to']}: "
-            f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
-            f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
-            + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
+    term.say(f"{'would warm' if r['dry_run'] else 'warmed'} {entries(len(r['entries']))} into {r['to']}: "
+             f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
+             f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
+             + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
     for x in r["entries"]:
         if x["error"]:
-            print(f"lmctl: documents[{x['index']}]: {x['error']['message']}", file=term.err)
+            print(f"lmctl: documents[{x['index']}]: {printable(x['error']['message'])}", file=term.err)
 

@@ -279,7 +279,7 @@ class Terminal:
             self.echo(json.dumps({"error": {"code": failure.code, "message": failure.message,
                                             "exit": int(failure.status)}}))
         else:
-            print(f"lmctl: {failure.message}", file=self.err)
+            print(f"lmctl: {printable(failure.message)}", file=self.err)
         return int(failure.status)
 
     def report(self, code: str, message: str) -> int:

@@ -175,6 +175,19 @@ def test_control_characters_in_labels_are_escaped_in_every_table(daemon: Daemon)
     assert r.exit_code == 0 and "\x1b" not in r.stdout and "\n" not in r.stdout.rstrip("\n")
 
 
+def test_top_escapes_the_names_it_shows() -> None:
+    from rich.console import Console
+
+    from lmctl.top import rates, render
+
+    snap = {"time": 1e9, "gauges": [], "cells": [{"name": "lookups_total", "labels": {"model": EVIL, "adapter": ""},
+                                                  "value": 1}],
+            "status": {"store": {"tiers": {}, "counters": {}}, "jobs": []}}
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, color_system="standard", width=200).print(render(rates(None, snap)))
+    assert "\x1b[31mRED" not in out.getvalue() and "evil\\nlabel\\x1b[31mRED" in out.getvalue()
+
+
 def test_a_label_is_text_never_markup(daemon: Daemon) -> None:
     with Store(daemon.store) as s:
         s.pin("[bold]x[/bold]", KEYS[:1])
