@@ -44,12 +44,20 @@ METAVARS = {
 }
 
 
+def _command_index(argv: list[str]) -> int:
+    """Where the command's name is in ``argv`` (after the global options before it)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] == "--socket" else 1
+    return i
+
+
 def hoist_globals(argv: list[str]) -> list[str]:
     """Accept the global options after the command too: ``lmctl lookup ... --json``.
     ``serve`` has a ``--socket`` of its own, and ``completion`` prints scripts: after those
     only ``--json`` is the global one."""
-    first = next((a for a in argv if not a.startswith("-")), None)
-    own_socket = first in ("serve", "completion")
+    at = _command_index(argv)
+    own_socket = at < len(argv) and argv[at] in ("serve", "completion")
     out: list[str] = []
     globals_: list[str] = []
     i = 0
@@ -58,12 +66,13 @@ def hoist_globals(argv: list[str]) -> list[str]:
         if a == "--":  # what follows is no option
             out += argv[i:]
             break
+        socket_is_global = not (own_socket and i > at)
         if a == "--json":
             globals_.append(a)
-        elif a == "--socket" and i + 1 < len(argv) and not (own_socket and i > argv.index(first or a)):
+        elif a == "--socket" and i + 1 < len(argv) and socket_is_global:
             globals_ += [a, argv[i + 1]]
             i += 1
-        elif a.startswith("--socket=") and not (own_socket and i > argv.index(first or a)):
+        elif a.startswith("--socket=") and socket_is_global:
             globals_.append(a)
         else:
             out.append(a)
@@ -225,9 +234,10 @@ def _registered(app: typer.Typer) -> dict[str, Any]:
 
 def _pruned(app: typer.Typer, names: Sequence[str]) -> typer.Typer:
     """``app`` with only the commands and groups named."""
+    wanted = [_registered(app)[n] for n in names]
     few = copy.copy(app)
-    few.registered_commands = [c for c in app.registered_commands if c in [_registered(app)[n] for n in names]]
-    few.registered_groups = [g for g in app.registered_groups if g.name in names]
+    few.registered_commands = [c for c in app.registered_commands if any(c is w for w in wanted)]
+    few.registered_groups = [g for g in app.registered_groups if any(g is w for w in wanted)]
     return few
 
 
@@ -332,9 +342,7 @@ class Lmctl(TyperGroup):
         """The command a line runs (a group's subcommand too) and the words after its name."""
         from typer._click.core import Context
 
-        i = 0
-        while i < len(words) and words[i].startswith("-"):  # the global options
-            i += 2 if words[i] == "--socket" else 1
+        i = _command_index(words)
         cmd: Any = self
         ctx = Context(self, info_name="lmctl", resilient_parsing=True)
         while i < len(words) and hasattr(cmd, "get_command"):
