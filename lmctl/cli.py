@@ -2,12 +2,14 @@
 
 Each command is a short adapter: its options become one request to the daemon (the work
 is done there, by ``lmctl/ops.py``) and the result is shown, or printed as JSON. What the
-commands share lives in a module of its own: the terminal, exit codes and the one rule
-from failures to them (``terminal.py``), the selectors (``selectors.py``), completion
-scripts (``completion.py``) and ``warm --endpoint``'s prefill (``prefill.py``).
+commands share lives in a module of its own: how a line is parsed and run (``group.py``),
+the terminal, exit codes and the one rule from failures to them (``terminal.py``), the
+selectors (``selectors.py``), completion (``completion.py``) and ``warm --endpoint``'s
+prefill (``prefill.py``).
 
 Nothing here imports torch, vllm or numpy, and the store library is imported by ``serve``
-only, so ``lmctl --help`` starts fast.
+only; a process builds only the command it runs, and a command imports what it needs when
+it runs, so ``lmctl`` starts at once (a test keeps heavy imports off the start-up path).
 """
 
 import json

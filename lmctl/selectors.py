@@ -130,7 +130,7 @@ def adapter_spec(a: str) -> str:
 def check_key(text: str) -> str:
     """A ``--key`` as the daemon takes it: 96 hex digits, or the start of a chunk hash (the
     daemon resolves it to the one stored chunk it names)."""
-    k = text.strip()
+    k = text.strip().removesuffix("…")  # as the tables show it, pasted with its ellipsis
     if not _HEX.fullmatch(k):
         raise CommandError("usage", f"chunk key {k!r} is not hex: a chunk key is {KEY_DIGITS} hex digits (or the "
                                     "start of its chunk hash, as the tables show it)")

@@ -334,6 +334,7 @@ def test_a_short_key_as_the_tables_show_it_names_its_chunk(daemon: Daemon) -> No
     target = next(k for k in KEYS if k.hex()[32:48] == shown[0])
     assert ok(daemon, "inspect", "--key", shown[0])["chunk"]["key"] == target.hex()
     assert ok(daemon, "inspect", "--key", shown[0][:6])["chunk"]["key"] == target.hex()
+    assert ok(daemon, "inspect", "--key", shown[0] + "…")["chunk"]["key"] == target.hex()  # pasted from a table
     assert ok(daemon, "inspect", "--key", target.hex()[:95])["chunk"]["key"] == target.hex()  # a whole key's start
     assert ok(daemon, "evict", "--key", shown[0], "--dry-run")["chunks"] == 1
     e = error(lmctl(daemon, "--json", "inspect", "--key", target.hex()[:8]))  # the namespace: every chunk has it
