@@ -15,7 +15,7 @@ the wall time is on an idle one (the process is single-threaded and waits on no 
   on the socket (the start-up alone: exit 3)
 
 ``--against DIR`` also runs every line from another checkout (say a worktree of the last
-release, ``git worktree add /tmp/old v0.1.0``), interleaved run by run with this one so that
+release, ``git worktree add ../lmctl-old v0.1.0``), interleaved run by run with this one so that
 the machine's load falls on both alike, and prints the ratio. ``--pyc`` lets Python write and
 use bytecode caches (in a temporary folder); by default the environment decides
 (``PYTHONDONTWRITEBYTECODE``), and without caches each process compiles lmctl's modules anew.
