@@ -2,101 +2,39 @@
 
 Each command is a short adapter: its options become one request to the daemon (the work
 is done there, by ``lmctl/ops.py``) and the result is shown, or printed as JSON. What the
-commands share lives in a module of its own: the terminal, exit codes and the one rule
-from failures to them (``terminal.py``), the selectors (``selectors.py``), completion
-scripts (``completion.py``) and ``warm --endpoint``'s prefill (``prefill.py``).
+commands share lives in a module of its own: how a line is parsed and run (``group.py``),
+the terminal, exit codes and the one rule from failures to them (``terminal.py``), the
+selectors (``selectors.py``), completion (``completion.py``) and ``warm --endpoint``'s
+prefill (``prefill.py``).
 
 Nothing here imports torch, vllm or numpy, and the store library is imported by ``serve``
-only, so ``lmctl --help`` starts fast.
+only; a process builds only the command it runs, and a command imports what it needs when
+it runs, so ``lmctl`` starts at once (a test keeps heavy imports off the start-up path).
 """
 
 import json
 import os
-import sys
+import shlex
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
-from . import __version__, completion
-from .client import parse_daemon_uids
-from .manifest import export, warm_manifest
-from .prefill import prefill
-from .selectors import contradicting_flags, with_selectors
-from .terminal import CommandError, ExitStatus, Terminal, human
+from . import __version__
+from .completion import REMOTE_SETTINGS, STORE_SETTINGS, TIER_SETTINGS, complete_values
+from .group import HELP_OPTIONS, Lmctl, root
+from .selectors import with_selectors
+from .terminal import CommandError, ExitStatus, Terminal, human, printable
 
 #: how a command shows its result to a person (under ``--json`` the result is printed as is)
 Show = Callable[[Terminal, dict[str, Any]], None]
 
 
-def hoist_globals(argv: list[str]) -> list[str]:
-    """Accept the global options after the command too: ``lmctl lookup ... --json``.
-    (``serve`` has its own ``--socket``.)"""
-    first = next((a for a in argv if not a.startswith("-")), None)
-    if first in ("serve", "completion"):
-        return argv
-    out: list[str] = []
-    globals_: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--json":
-            globals_.append(a)
-        elif a in ("--socket", "--daemon-uid") and i + 1 < len(argv):
-            globals_ += [a, argv[i + 1]]
-            i += 1
-        elif a.startswith(("--socket=", "--daemon-uid=")):
-            globals_.append(a)
-        else:
-            out.append(a)
-        i += 1
-    return globals_ + out
-
-
-def _options(args: list[str]) -> list[str]:
-    """The words of a command line that may be options (those before ``--``)."""
-    return args[: args.index("--")] if "--" in args else args
-
-
-class Lmctl(TyperGroup):
-    """The root command. However a command line is run (``lmctl`` itself, typer's
-    ``CliRunner``, the shell) it ends by the rule of ``lmctl/terminal.py``: option errors
-    too are one line, or the JSON error object under ``--json``, with their exit status."""
-
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, windows_expand_args, **extra)
-        argv = list(sys.argv[1:] if args is None else args)
-        if completion.asked():  # a completion script is asking
-            completion.init()
-            return super().main(argv, completion.PROG, completion.COMPLETE_VAR, **extra)
-        argv = hoist_globals(argv)
-        obj = extra.get("obj")
-        term = obj if isinstance(obj, Terminal) else Terminal()
-        term.json = term.json or "--json" in _options(argv)
-        sys.exit(self.run_line(argv, term))
-
-    def run_line(self, args: list[str], term: Terminal) -> int:
-        """Run one command line in ``term``; its exit status."""
-        problem = contradicting_flags(_options(args))
-        if problem is not None:
-            return term.report("usage", problem)
-        try:
-            rv = super().main(args=args, prog_name="lmctl", standalone_mode=False, obj=term)
-        except typer.Exit as exc:
-            return int(exc.exit_code)
-        except Exception as exc:  # the parser refused the line (or a bug)
-            return term.fail(exc)
-        return int(rv) if isinstance(rv, int) else int(ExitStatus.OK)
-
-
 app = typer.Typer(cls=Lmctl, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Operate an lmctl KV-cache store through its daemon (lmctl serve).",
-                  context_settings={"help_option_names": ["-h", "--help"]})
+                  context_settings={"help_option_names": HELP_OPTIONS})
 
 
 @app.callback(invoke_without_command=True)
@@ -118,17 +56,21 @@ def _main(
         term.socket = socket_path
         term.socket_given = True
     if daemon_uid is not None:
+        from .client import parse_daemon_uids
+
         try:
             term.daemon_uids = frozenset(parse_daemon_uids(daemon_uid))
         except ValueError as exc:
             raise CommandError("usage", str(exc)) from None
     term.json = term.json or as_json
     ctx.obj = term
+    if ctx.invoked_subcommand is None:  # only global options (lmctl --json)
+        raise typer.Exit(Lmctl.missing_command(term, ctx))
 
 
 def main(argv: list[str] | None = None) -> None:
     """The ``lmctl`` program (``argv``: its arguments, else the process's)."""
-    typer.main.get_command(app).main(args=argv, prog_name="lmctl")
+    root(app).main(args=argv, prog_name="lmctl")
 
 
 # -- the shape of a command ----------------------------------------------------------------
@@ -151,13 +93,19 @@ def _request(ctx: typer.Context, cmd: str, args: Mapping[str, Any] | Callable[[]
 def _mutate(ctx: typer.Context, cmd: str, args: dict[str, Any], dry_run: bool,
             line: Callable[[dict[str, Any]], str], long: bool = False) -> None:
     """A command that changes the store (or, with ``--dry-run``, says what it would change)."""
-    _request(ctx, cmd, {**args, "dry_run": dry_run}, lambda term, r: term.console().print(line(r)), long=long)
+    _request(ctx, cmd, {**args, "dry_run": dry_run}, lambda term, r: term.say(line(r)), long=long)
 
 
 def chunk_id(key_hex: str) -> str:
     """The part of a key that tells chunks apart: its chunk hash (the first 32 hex digits
-    are the namespace, the same for every chunk of a model and adapter)."""
+    are the namespace, the same for every chunk of a model and adapter). ``--key`` takes
+    it back: a start of the chunk hash names the chunk."""
     return key_hex[32:48] + "…"
+
+
+def write_amplification(r: dict[str, Any]) -> str:
+    """Bytes written per payload byte, or - while nothing was written."""
+    return f"{r['write_amplification']:.4f}" if r["counters"].get("payload_bytes") else "-"
 
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change; change nothing")]
@@ -211,7 +159,13 @@ def serve(
     metrics: Annotated[str | None, typer.Option(
         metavar="[ADDR:]PORT", help="serve Prometheus metrics over HTTP here (a bare port: loopback only)")] = None,
 ) -> None:
-    """Run the daemon in the foreground (logs to stderr; SIGTERM or Ctrl-C stops it)."""
+    """Run the daemon in the foreground (logs to stderr; SIGTERM or Ctrl-C stops it).
+
+    \b
+    Examples:
+      lmctl serve --store /var/lib/lmctl --init --capacity nvme=500GiB
+      lmctl serve --store /var/lib/lmctl --config /etc/lmctl.toml --metrics 9464
+    """
     import logging
 
     from .daemon import Daemon, socket_access
@@ -220,6 +174,9 @@ def serve(
     term = Terminal.of(ctx)
 
     def body() -> None:
+        for flag, values in (("--capacity", capacity), ("--tier-path", tier_path), ("--pin-budget", pin_budget),
+                             ("--set", set_)):
+            _once_per_key(flag, values or [], "=" in (values or [""])[0] or flag != "--capacity")
         with _daemon_errors():
             daemon, changes = serve_settings(config, capacity=capacity, tier_path=tier_path, pin_budget=pin_budget,
                                              codec=codec, codec_level=codec_level, remote=remote, settings=set_)
@@ -228,7 +185,7 @@ def serve(
                 raise CommandError("usage", "give --store DIR (or $LMCTL_STORE, or store in the config file's "
                                             "[daemon])")
             # the socket: serve's --socket, else the global --socket / $LMCTL_SOCKET, else the file's
-            sock = socket_path or (term.socket if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
+            sock = socket_path or (term.address if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
             sock = sock or daemon.get("socket")
             level = (log_level or daemon.get("log_level") or "info").upper()
             if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -251,37 +208,57 @@ def serve(
     term.run(body)
 
 
+def _once_per_key(flag: str, values: list[str], keyed: bool) -> None:
+    """Each tier (or setting) once per repeatable KEY=VALUE option: given twice, the parser
+    would keep the last without a word."""
+    seen: dict[str, str] = {}
+    for v in values:
+        k = v.partition("=")[0].strip() if "=" in v else ""  # no key: the default tier
+        if k in seen:
+            what = f"names {'setting' if flag == '--set' else 'tier'} {k}" if k else "gives the default tier"
+            raise CommandError("usage", f"{flag} {what} twice ({seen[k]}, {v}): give it once")
+        seen[k] = v
+
+
 # -- requests to the daemon ---------------------------------------------------------------------
 @app.command()
 def status(ctx: typer.Context) -> None:
-    """Daemon and store health: tiers, usage, capacity, running jobs."""
+    """Daemon and store health: tiers, usage, capacity, running jobs.
+
+    \b
+    Examples:
+      lmctl status
+      lmctl --json status | jq .store.tiers
+    """
     _request(ctx, "status", {}, _show_status)
 
 
 def _show_status(term: Terminal, r: dict[str, Any]) -> None:
+    from rich.markup import escape
+
     d = r["daemon"]
     c = term.console()
-    c.print(f"lmctl {d['version']} serving [bold]{r['store']['path']}[/bold] on {d['socket']} "
-            f"(pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
+    c.print(f"lmctl {d['version']} serving [bold]{escape(printable(r['store']['path']))}[/bold] on "
+            f"{escape(printable(d['socket']))} (pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
     if r["store"].get("readonly"):
-        c.print(f"[bold red]read-only[/bold red]: {r['store']['readonly_reason']}; hits are served, saves refused "
-                f"({r['store'].get('refused_saves', 0)} refused by the daemon; engines count theirs as "
-                "dropped saves, reason read_only)", soft_wrap=True)
+        term.say(f"read-only: {r['store']['readonly_reason']}; hits are served, saves refused "
+                 f"({r['store'].get('refused_saves', 0)} refused by the daemon; engines count theirs as "
+                 "dropped saves, reason read_only)")
     _tiers(term, r["store"]["tiers"])
     k = r["store"]["counters"]
-    c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "
-            f"write amplification {r['store']['write_amplification']:.4f}")
+    term.say(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}  "
+             f"write amplification {write_amplification(r['store'])}")
     rm = r["store"].get("remote")
     if rm:
-        c.print(f"remote {rm['url']} (prefix {rm['key_prefix']}, write {rm['write']}, trust {rm['trust']}"
-                f"{', rotating' if rm['rotating'] else ''}, writer {rm['writer']}): breaker {rm['breaker']}  "
-                f"puts {rm['puts']}  hits {rm['hits']}  misses {rm['misses']}  errors {rm['errors']}  "
-                f"forged {rm['forged']}  foreign {rm['foreign']}  evicted found {rm['evicted_discovered']}  "
-                "(this daemon's calls)")
+        term.say(f"remote {rm['url']} (prefix {rm['key_prefix']}, write {rm['write']}, trust {rm['trust']}"
+                 f"{', rotating' if rm['rotating'] else ''}, writer {rm['writer']}): breaker {rm['breaker']}  "
+                 f"puts {rm['puts']}  hits {rm['hits']}  misses {rm['misses']}  errors {rm['errors']}  "
+                 f"forged {rm['forged']}  foreign {rm['foreign']}  evicted found {rm['evicted_discovered']}  "
+                 "(this daemon's calls)")
     if r["store"].get("remote_refused"):
-        c.print(f"[bold red]remote tier not started[/bold red]: {r['store']['remote_refused']}")
+        term.say(f"remote tier not started: {r['store']['remote_refused']}")
     for j in r["jobs"]:
-        c.print(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
+        term.say(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
 
 
 def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
@@ -299,49 +276,69 @@ def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
 @with_selectors
 def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typer.Option(
         "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False) -> None:
-    """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why)."""
+    """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why).
+
+    \b
+    Examples:
+      lmctl lookup --model smollm2 --messages chat.json --explain
+      lmctl lookup --adapter civil --file contract.txt
+      lmctl --json lookup --key 48c937a7583e21f2
+    """
     _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, _show_lookup)
 
 
 def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
-    c = term.console()
-    if r.get("total_tokens"):
-        pct = 100 * r["hit_tokens"] / r["total_tokens"]
-        c.print(f"{r['hit_tokens']} of {r['total_tokens']} tokens cached ({pct:.0f}%), "
-                f"{r['hit_chunks']} of {len(r['chunks'])} full chunks"
-                + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None else ""))
+    from rich.text import Text
+
+    n, size, total = len(r["chunks"]), r.get("chunk_size"), r.get("total_tokens") or 0
+    short = n == 0 and total > 0  # a document shorter than one chunk
+    if short:
+        term.say(f"the document's {total} token(s) are less than one chunk of {size}: nothing of it is stored "
+                 "(partial chunks never are; the engine always computes them)")
+    elif total:
+        pct = 100 * r["hit_tokens"] / total
+        tail = total - n * size if size else 0
+        term.say(f"{r['hit_tokens']} of {total} tokens cached ({pct:.0f}%), {r['hit_chunks']} of {n} full chunks"
+                 + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None
+                    and r["hit_chunks"] < n else "")
+                 + (f"; the last {tail} token(s) are less than a chunk (never stored)" if tail > 0 else ""))
     ns = r.get("namespace")
     if ns:
         fp = ns.get("model_fingerprint")
-        c.print(f"model {ns.get('model')}  adapter {ns.get('adapter') or '(base)'}"
-                + (f"  fingerprint {fp[:12]}" if fp else "") + ("  (salted)" if ns.get("salted") else ""))
-    rows = [[str(x["index"]), chunk_id(x["key"]), x["tier"] or "[red]miss[/red]"] for x in r["chunks"]]
-    term.table(None, ["chunk", "chunk hash", "tier"], rows)
-    if "explain" in r:
+        term.say(f"model {ns.get('model')}  adapter {ns.get('adapter') or '(base)'}"
+                 + (f"  fingerprint {fp[:12]}" if fp else "") + ("  (salted)" if ns.get("salted") else ""))
+    if n:
+        rows = [[str(x["index"]), chunk_id(x["key"]), x["tier"] or Text("miss", style="red")] for x in r["chunks"]]
+        term.table(None, ["chunk", "chunk hash", "tier"], rows)
+    if "explain" in r and not short:
         why = r["explain"]
         if why is None:
-            tail = r["total_tokens"] - r["hit_tokens"]
-            c.print("nothing misses: every full chunk is cached" + (
-                f" (the last {tail} token(s) are less than a chunk of {r['chunk_size']}: partial chunks are never "
-                "stored, the engine always computes them)" if tail else ""), markup=False)
+            term.say("nothing misses: every full chunk is cached")
         else:
-            c.print(f"why: {why['reason']}: {why['message']}", markup=False, soft_wrap=True)
+            term.say(f"why: {why['reason']}: {why['message']}")
 
 
 @app.command()
 def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
-        help="only events of the last 90s, 30m, 1h, 7d ...")] = None,
+        help="only events of the last DURATION: 90s, 30m, 1h, 7d, 1h30m (a unit is required)")] = None,
            kind: Annotated[list[str] | None, typer.Option(
-               help="evict, corrupt, save-dropped, pin or unpin; repeatable")] = None,
+               help="evict, corrupt, save-dropped, pin or unpin; repeatable",
+               autocompletion=complete_values("--kind"))] = None,
            limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50) -> None:
-    """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals)."""
+    """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals).
+
+    \b
+    Examples:
+      lmctl events --since 1h --kind evict
+      lmctl --json events --limit 0 | jq '.events[] | select(.kind == "corrupt")'
+    """
     from .units import parse_duration
 
     def args() -> dict[str, Any]:
         out: dict[str, Any] = {"limit": limit}
         if since is not None:
             try:
-                out["since"] = parse_duration(since)
+                out["since"] = parse_duration(since, unit_required=True)
             except ValueError as exc:
                 raise CommandError("usage", f"--since: {exc}") from None
         if kind:
@@ -351,26 +348,38 @@ def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
     _request(ctx, "events", args, _show_events)
 
 
+def local_time(t: float) -> str:
+    """A time for people: local, with its time zone (a log read on another host stays clear)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t))
+
+
+def user(uid: int) -> str:
+    """A uid with its user name, where this host knows one: ``1000 (alice)``."""
+    import pwd
+
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OverflowError, TypeError):
+        return str(uid)
+
+
 def _show_events(term: Terminal, r: dict[str, Any]) -> None:
-    import time
-
-    from rich.markup import escape
-
     rows = []
     for e in r["events"]:
-        what = [f"{k} {e[k]}" for k in ("tier", "label", "uid") if e.get(k) is not None]
+        what = [f"{k} {e[k]}" for k in ("tier", "label") if e.get(k) is not None]
+        if e.get("uid") is not None:
+            what.append(f"uid {user(e['uid'])}")
         if e.get("bytes"):
             what.append(human(e["bytes"]))
         if e.get("key"):
             what.append(f"first chunk {chunk_id(e['key'])}")
         if e.get("detail"):
-            what.append(escape(str(e["detail"])))
-        rows.append([time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])), e["kind"], e["reason"],
-                     str(e["chunks"]), ", ".join(what)])
+            what.append(str(e["detail"]))
+        rows.append([local_time(e["time"]), e["kind"], e["reason"], str(e["chunks"]), ", ".join(what)])
     term.table(None, ["time", "kind", "reason", "chunks", "details"], rows, {"chunks"})
     totals = [f"{name} {reason}={n}" for name, by in r["counters"].items() for reason, n in sorted(by.items())]
-    term.console().print(f"{len(r['events'])} event(s) shown (the log keeps the newest {r['limit']}); totals: "
-                         + (", ".join(totals) or "none"), markup=False)
+    term.say(f"{len(r['events'])} event(s) shown (the log keeps the newest {r['limit']}); totals: "
+             + (", ".join(totals) or "none"))
 
 
 @app.command()
@@ -379,8 +388,17 @@ def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False,
         export_manifest: Annotated[str | None, typer.Option(
             metavar="FILE", help="pin nothing: write the documents the selection's pins were made from "
                                  "(typically --label L) to FILE ('-': stdout), for warm --manifest")] = None) -> None:
-    """Pin chunks or a document under --label (durable; never evicted). Works before it is served."""
+    """Pin chunks or a document under --label (durable; never evicted). Works before it is served.
+
+    \b
+    Examples:
+      lmctl pin --label contracts --model smollm2 --messages lease.json
+      lmctl pin --label ops --key 48c937a7583e21f2 --dry-run
+      lmctl pin --export-manifest contracts.json --label contracts
+    """
     if export_manifest is not None:
+        from .manifest import export
+
         term = Terminal.of(ctx)
         term.run(lambda: export(term, sel, export_manifest, dry_run))
         return
@@ -392,7 +410,13 @@ def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False,
 @app.command()
 @with_selectors
 def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> None:
-    """Remove a label's pins (all of them, or those a selector picks)."""
+    """Remove a label's pins (all of them, or those a selector picks).
+
+    \b
+    Examples:
+      lmctl unpin --label contracts --dry-run
+      lmctl unpin --label contracts --messages lease.json
+    """
     _mutate(ctx, "unpin", sel, dry_run, lambda r: (
         f"{'would remove' if r['dry_run'] else 'removed'} {r['removed']} pin reference(s) of {r['label']!r}"))
 
@@ -401,7 +425,13 @@ def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> N
 @with_selectors
 def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.Option(
         "--force", help="evict pinned chunks too")] = False, dry_run: DryRun = False) -> None:
-    """Remove chunks from the store (never pinned ones unless --force)."""
+    """Remove chunks from the store (never pinned ones unless --force).
+
+    \b
+    Examples:
+      lmctl evict --older-than 7d --unpinned --dry-run
+      lmctl evict --adapter civil@3f9a51c2
+    """
     _mutate(ctx, "evict", {**sel, "force": force}, dry_run, lambda r: (
         f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
         + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
@@ -412,8 +442,15 @@ def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.
 @app.command()
 @with_selectors
 def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Option(
-        help="destination tier: dram, nvme or remote")], dry_run: DryRun = False) -> None:
-    """Move chunks to another tier."""
+        help="destination tier: dram, nvme or remote", autocompletion=complete_values("--to"))],
+         dry_run: DryRun = False) -> None:
+    """Move chunks to another tier.
+
+    \b
+    Examples:
+      lmctl move --to dram --label contracts
+      lmctl move --to remote --base --older-than 1d --dry-run
+    """
     _mutate(ctx, "move", {**sel, "to": to}, dry_run, lambda r: (
         f"{'would move' if r['dry_run'] else 'moved'} {r['chunks']} chunk(s), {human(r['bytes'])} to {r['to']}"
         + (f" ({r['skipped']} already there)" if r["skipped"] else "")), long=True)
@@ -422,18 +459,33 @@ def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Optio
 @app.command()
 @with_selectors
 def compress(ctx: typer.Context, sel: dict[str, Any],
-             level: Annotated[int, typer.Option(help="zstd level, 1-19")] = 1,
-             codec: Annotated[str, typer.Option(help="zstd-shuffle, zstd or raw")] = "zstd-shuffle",
+             level: Annotated[int | None, typer.Option(help="zstd level, 1-19 [default: 1]")] = None,
+             codec: Annotated[str, typer.Option(help="zstd-shuffle, zstd or raw",
+                                                autocompletion=complete_values("--codec"))] = "zstd-shuffle",
              dry_run: DryRun = False) -> None:
-    """Recompress chunks and report the bytes saved."""
-    _mutate(ctx, "compress", {**sel, "level": level, "codec": codec}, dry_run, _compressed, long=True)
+    """Recompress chunks and report the bytes saved.
+
+    \b
+    Examples:
+      lmctl compress --older-than 1d --dry-run
+      lmctl compress --label contracts --level 3
+      lmctl compress --codec raw --model smollm2
+    """
+    if codec == "raw" and level is not None:
+        term = Terminal.of(ctx)
+        raise typer.Exit(term.report("usage", f"--level {level} means nothing for --codec raw (raw chunks are not "
+                                              "compressed): drop --level, or give --codec zstd-shuffle or zstd"))
+    args = {**sel, "codec": codec, **({"level": level if level is not None else 1} if codec != "raw" else {})}
+    _mutate(ctx, "compress", args, dry_run, _compressed, long=True)
 
 
 def _compressed(r: dict[str, Any]) -> str:
     saved = r["bytes_saved"]
-    change = f"saved {human(saved)}" if saved >= 0 else f"grew by {human(-saved)}"
+    dry = r["dry_run"]
+    change = (f"{'would save' if dry else 'saved'} {human(saved)}" if saved >= 0
+              else f"{'would grow by' if dry else 'grew by'} {human(-saved)}")
     skipped = f"; {r['skipped']} already {r['codec']} at that level" if r["skipped"] else ""
-    if r["dry_run"]:
+    if dry:
         return (f"would recompress {r['chunks']} chunk(s): {human(r['bytes_before'])} -> about "
                 f"{human(r['bytes_after'])} (estimated), {change}{skipped}")
     return (f"recompressed {r['chunks']} chunk(s): {human(r['bytes_before'])} -> {human(r['bytes_after'])}, "
@@ -445,7 +497,14 @@ def _compressed(r: dict[str, Any]) -> str:
 def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
     """Store statistics by tier, model, adapter and label, or one chunk's metadata (--key K).
 
-    With selectors, the statistics of the chunks they pick."""
+    With selectors, the statistics of the chunks they pick.
+
+    \b
+    Examples:
+      lmctl inspect
+      lmctl inspect --label contracts
+      lmctl inspect --key 48c937a7583e21f2
+    """
     _request(ctx, "inspect", sel, _show_inspect)
 
 
@@ -455,18 +514,21 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
 
         def shown(k: str, v: Any) -> str:
             if k in ("created", "last_access") and isinstance(v, (int, float)):
-                return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v)) + f" ({ago(now - v)} ago)"
+                return local_time(v) + f" ({ago(now - v)} ago)"
+            if k in ("bytes", "raw_bytes", "disk_bytes") and isinstance(v, int):
+                return f"{human(v)} ({v} B)"
+            if k == "labels" and isinstance(v, list):
+                return ", ".join(map(str, v)) or "-"
             if v is None:
                 return "-"
-            return v if isinstance(v, str) else json.dumps(v)
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
         term.table(None, ["field", "value"], [[k, shown(k, v)] for k, v in r["chunk"].items()])
         return
-    c = term.console()
     if "scope" in r:
-        c.print(f"selected: {r['chunks']} chunks, {human(r['bytes'])} on disk")
+        term.say(f"selected: {r['chunks']} chunks, {human(r['bytes'])} on disk")
     else:
-        c.print(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {r['write_amplification']:.4f}")
+        term.say(f"{r['chunks']} chunks, {human(r['bytes'])}; write amplification {write_amplification(r)}")
     _tiers(term, r["tiers"])
     if r["models"]:
         term.table("models (one row per checkpoint fingerprint)",
@@ -481,7 +543,7 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     if r["labels"]:
         term.table("labels", ["label", "chunks"], [[k, str(v)] for k, v in r["labels"].items()], {"chunks"})
     k = r["counters"]
-    c.print(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}")
+    term.say(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}")
 
 
 @app.command("ls")
@@ -489,10 +551,18 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
         help="rows per page (0: all, in key order)", min=0)] = 100,
         sort: Annotated[str, typer.Option(
-            help="key, age (oldest first), access (least recently used first) or size (largest first)")] = "key",
+            help="key, age (oldest first), access (least recently used first) or size (largest first)",
+            autocompletion=complete_values("--sort"))] = "key",
         cursor: Annotated[str | None, typer.Option(
             help="continue a listing where the last page ended (its 'next')")] = None) -> None:
-    """List chunks matching a selector (all chunks without one), a page at a time."""
+    """List chunks matching a selector (all chunks without one), a page at a time.
+
+    \b
+    Examples:
+      lmctl ls --label contracts
+      lmctl ls --sort size --limit 10
+      lmctl --json ls --limit 0 --adapter civil | jq -r '.chunks[].key'
+    """
     _request(ctx, "ls", {**sel, "limit": limit, "sort": sort, **({"cursor": cursor} if cursor else {})}, _show_ls)
 
 
@@ -513,9 +583,28 @@ def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
     term.table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age", "last access", "adapter"],
                rows, {"bytes", "tokens", "pins", "hits", "age", "last access"})
     more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
-    term.console().print(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
+    term.say(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
     if r.get("next"):
-        term.console().print(f"next page: --cursor {r['next']}", soft_wrap=True)
+        term.say(f"next page: {next_page(term, r['next'])}")
+
+
+def next_page(term: Terminal, cursor: str) -> str:
+    """The command line of the next page: this one (its selectors and sort) with ``--cursor``.
+    A cache salt is a secret: the line names the option only."""
+    words = term.line
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if w in ("--json", "--cursor", "--cache-salt") or w.startswith(("--cursor=", "--cache-salt=")):
+            if w == "--cache-salt" or w.startswith("--cache-salt="):
+                out += ["--cache-salt", "SALT"]
+            i += 2 if w in ("--cursor", "--cache-salt") else 1
+            continue
+        out.append(w)
+        i += 1
+    line = shlex.join([*out, "--cursor", cursor])
+    return line if term.keep_open else f"lmctl {line}"  # the shell's lines have no lmctl
 
 
 WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "fetched", "dry_run", "to",
@@ -528,13 +617,23 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
         help="also prefill the document through this OpenAI-compatible server (http://host:port)")] = None,
          to: Annotated[str | None, typer.Option(
              help="the local tier to bring chunks into: dram or nvme [default: dram; with --manifest, the "
-                  "default tier where there is no dram]")] = None,
+                  "default tier where there is no dram]", autocompletion=complete_values("warm --to"))] = None,
          manifest: Annotated[str | None, typer.Option(
              metavar="FILE", help="warm every document of a manifest (pin --export-manifest writes one; "
                                   "'-': stdin)")] = None,
          pin_: Annotated[bool, typer.Option("--pin", help="with --manifest: also pin each entry under its label")]
          = False, dry_run: DryRun = False) -> None:
-    """Before a restart or traffic shift: bring chunks (or a manifest's) into dram; --endpoint prefills the rest."""
+    """Before a restart or traffic shift: bring chunks (or a manifest's) into dram; --endpoint prefills the rest.
+
+    \b
+    Examples:
+      lmctl warm --label contracts
+      lmctl warm --manifest contracts.json --to nvme
+      lmctl warm --model smollm2 --messages lease.json --endpoint http://127.0.0.1:8000
+    """
+    from .manifest import warm_manifest
+    from .prefill import prefill
+
     term = Terminal.of(ctx)
 
     def body() -> None:
@@ -559,33 +658,48 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
 
 
 def _show_warm(term: Terminal, r: dict[str, Any]) -> None:
-    c = term.console()
     if "prefill" in r:
         p = r["prefill"]
-        c.print(f"prefill: {p['hit_tokens_before']} -> {p['hit_tokens_after']} of {p['total_tokens']} tokens cached")
+        term.say(f"prefill: {p['hit_tokens_before']} -> {p['hit_tokens_after']} of {p['total_tokens']} tokens cached")
     if r["to"] is None:
-        c.print("no dram tier in this store: the chunks stay where the engine wrote them")
-    else:
-        c.print(f"{'would promote' if r['dry_run'] else 'promoted'} {r['chunks']} chunk(s), "
-                f"{human(r['bytes'])} to {r['to']}"
-                + (f" ({r['fetched']} from the remote tier)" if r["fetched"] else "")
-                + (f"; {r['missing']} in no tier" if r["missing"] else ""))
+        term.say("no dram tier in this store: the chunks stay where the engine wrote them")
+        return
+    # the bytes of chunks still in the remote tier are unknown until they are fetched
+    unknown = r["fetched"] if r["dry_run"] else 0
+    size = (f"{human(r['bytes'])} from local tiers and {unknown} from the remote tier (its sizes are known once "
+            "fetched)" if unknown and unknown < r["chunks"] else
+            "all from the remote tier (sizes known once fetched)" if unknown else human(r["bytes"]))
+    fetched = f" ({r['fetched']} from the remote tier)" if r["fetched"] and not r["dry_run"] else ""
+    term.say(f"{'would bring' if r['dry_run'] else 'brought'} {r['chunks']} chunk(s) into {r['to']}: {size}{fetched}"
+             + (f"; {r['skipped']} already there" if r["skipped"] else "")
+             + (f"; {r['missing']} in no tier" if r["missing"] else ""))
 
 
 @app.command()
 def verify(ctx: typer.Context, deep: Annotated[bool, typer.Option(help="read and checksum every payload")] = False,
            fix: Annotated[bool, typer.Option(help="repair what is found")] = False) -> None:
-    """Check index/segment consistency (and checksums with --deep); --fix repairs."""
+    """Check index/segment consistency (and checksums with --deep); --fix repairs.
+
+    \b
+    Examples:
+      lmctl verify
+      lmctl verify --deep --fix
+    """
     _request(ctx, "verify", {"deep": deep, "fix": fix}, _show_verify, long=True, ok=lambda r: r["ok"])
 
 
 def _show_verify(term: Terminal, r: dict[str, Any]) -> None:
     for p in r["problems"]:
-        term.echo(f"{'fixed' if p['fixed'] else 'found'}: {p['kind']}: {p['detail']}")
+        term.say(f"{'fixed' if p['fixed'] else 'found'}: {p['kind']}: {p['detail']}")
     left = sum(1 for p in r["problems"] if not p["fixed"])
+    checked = r.get("checked")
+    what = f"{checked['chunks']} chunk(s) in {checked['segments']} segment(s)" if checked else "the store"
+    how = ("deep: every payload read and checksummed" if r["deep"] else
+           "shallow: the index against the segment files and the counts; --deep also reads every payload")
     # what --deep found (bad payloads) only a deep pass can fix
     again = "lmctl verify --deep --fix" if r["deep"] else "lmctl verify --fix"
-    term.echo("ok" if not left else f"{left} problem(s) left; run {again}")
+    term.say(f"ok: checked {what} ({how})" if not left else
+             f"{left} problem(s) left; run {again} (checked {what}, {'deep' if r['deep'] else 'shallow'})")
 
 
 @app.command()
@@ -594,7 +708,13 @@ def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
         iterations: Annotated[int | None, typer.Option(
             help="stop after this many frames, 0 for no limit [default: until q on a terminal, else 1; "
                  "--json: one JSON line per frame]")] = None) -> None:
-    """Live view: hit rate, bytes in and out per tier, remote tier, jobs; q quits."""
+    """Live view: hit rate, bytes in and out per tier, remote tier, jobs; q quits.
+
+    \b
+    Examples:
+      lmctl top
+      lmctl --json top --interval 10 --iterations 0 >> top.jsonl
+    """
     term = Terminal.of(ctx)
 
     def body() -> None:
@@ -606,11 +726,13 @@ def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
 
         if term.json:  # a JSON line per frame (default one), rates over the interval before it
             prev = term.call("metrics")
-            for _ in range(iterations or 1):
+            frames = 0
+            while frames < (iterations if iterations is not None else 1) or iterations == 0:
                 time.sleep(interval)
                 cur = term.call("metrics")
                 term.echo(json.dumps(rates(prev, cur)))
-                prev = cur
+                term.out.flush()  # a line per frame for the reader of a pipe, as it comes
+                prev, frames = cur, frames + 1
             return
         live = term.is_tty if term.is_tty is not None else term.out.isatty()
         n = iterations if iterations is not None else (0 if live else 1)
@@ -621,12 +743,18 @@ def top(ctx: typer.Context, interval: Annotated[float, typer.Option(
 
 @app.command()
 def shell(ctx: typer.Context) -> None:
-    """An interactive session over one connection: history, tab completion, help."""
+    """An interactive session over one connection: history, tab completion, help.
+
+    \b
+    Examples:
+      lmctl shell
+      printf 'status\\nls --limit 5\\n' | lmctl shell
+    """
     from .shell import Shell
 
     term = Terminal.of(ctx)
     term.keep_open = True
-    Shell(app, term).loop()
+    raise typer.Exit(Shell(app, term).loop())
 
 
 # -- completion scripts ---------------------------------------------------------------------
@@ -636,16 +764,33 @@ app.add_typer(completion_app, name="completion")
 
 @completion_app.command("show")
 def completion_show(ctx: typer.Context, shell_name: Annotated[str, typer.Argument(
-        metavar="SHELL", help="bash, zsh or fish")]) -> None:
-    """Print the completion script for a shell."""
+        metavar="SHELL", help="bash, zsh or fish", autocompletion=complete_values("SHELL"))]) -> None:
+    """Print the completion script for a shell.
+
+    \b
+    Examples:
+      lmctl completion show bash > /etc/bash_completion.d/lmctl
+      source <(lmctl completion show bash)
+    """
+    from . import completion
+
     term = Terminal.of(ctx).without_json()
     term.run(lambda: term.echo(completion.script(shell_name), end=""))
 
 
 @completion_app.command("install")
 def completion_install(ctx: typer.Context, shell_name: Annotated[str | None, typer.Option(
-        "--shell", help="bash, zsh or fish [default: from $SHELL]")] = None) -> None:
-    """Install the completion script where the shell finds it (in your home folder)."""
+        "--shell", help="bash, zsh or fish [default: from $SHELL]", autocompletion=complete_values("--shell"))]
+        = None) -> None:
+    """Install the completion script where the shell finds it (in your home folder).
+
+    \b
+    Examples:
+      lmctl completion install
+      lmctl completion install --shell zsh
+    """
+    from . import completion
+
     term = Terminal.of(ctx).without_json()
 
     def body() -> None:
@@ -666,7 +811,13 @@ def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
     """Generate a deployment secret (32 random bytes, hex, a new file of mode 0600); no daemon needed.
 
     Give it to every store of the deployment as remote.secret_file (copy it to each host
-    over a private channel)."""
+    over a private channel).
+
+    \b
+    Examples:
+      lmctl remote secret /etc/lmctl/remote.secret
+      lmctl config set remote.secret_file=/etc/lmctl/remote.secret
+    """
     from .secret import SECRET_BYTES, new_secret
 
     term = Terminal.of(ctx)
@@ -687,14 +838,33 @@ app.add_typer(config_app, name="config")
 
 @config_app.command("show")
 def config_show(ctx: typer.Context) -> None:
-    """The store's settings (tiers, capacities, pin budgets, codec, ...)."""
+    """The store's settings (tiers, capacities, pin budgets, codec, ...).
+
+    \b
+    Examples:
+      lmctl config show
+      lmctl --json config show | jq .settings.tiers
+    """
     _request(ctx, "config", {}, _show_settings)
 
 
-@config_app.command("set")
+SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k}' for k in TIER_SETTINGS)} (TIER: "
+                 f"dram or nvme; naming a tier that is not configured adds it); "
+                 f"{', '.join(f'remote.{k}' for k in REMOTE_SETTINGS)} (remote.url=none removes the remote tier). "
+                 "Sizes need a unit (500GiB, 1TB), durations too (90s, 12h, 7d).")
+
+
+@config_app.command("set", epilog=SETTINGS_HELP)
 def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
-        metavar="KEY=VALUE...", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle")]) -> None:
-    """Change store settings (validated, recorded in the store, applied at once)."""
+        metavar="KEY=VALUE", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle",
+        autocompletion=complete_values("KEY=VALUE"))]) -> None:
+    """Change store settings (validated, recorded in the store, applied at once).
+
+    \b
+    Examples:
+      lmctl config set tiers.nvme.capacity=500GiB
+      lmctl config set codec=zstd-shuffle codec_level=3 retire_after_s=12h
+    """
     _request(ctx, "config", lambda: {"set": _changes(pairs)}, _show_settings)
 
 
@@ -704,6 +874,9 @@ def _changes(pairs: list[str]) -> dict[str, str]:
         k, sep, v = p.partition("=")
         if not sep or not k.strip():
             raise CommandError("usage", f"{p!r} is not KEY=VALUE (e.g. tiers.nvme.capacity=500GiB)")
+        if k.strip() in changes:
+            raise CommandError("usage", f"{k.strip()} is set twice ({k.strip()}={changes[k.strip()]}, {p}): "
+                                        "give it once")
         changes[k.strip()] = v.strip()
     return changes
 
@@ -715,7 +888,35 @@ def _show_settings(term: Terminal, r: dict[str, Any]) -> None:
         rows += [[f"tiers.{name}.{k}", json.dumps(v) if not isinstance(v, str) else v] for k, v in t.items()]
     term.table(None, ["setting", "value"], rows)
     if r.get("changed"):
-        term.console().print("changed: " + ", ".join(r["changed"]))
+        term.say("changed: " + ", ".join(r["changed"]))
+
+
+# -- help -----------------------------------------------------------------------------------------
+@app.command("help")
+def help_(ctx: typer.Context, command: Annotated[list[str] | None, typer.Argument(
+        metavar="COMMAND", help="the command (and subcommand) whose help to show")] = None) -> None:
+    """Show the help of lmctl or of one command (lmctl help config set = lmctl config set --help).
+
+    \b
+    Examples:
+      lmctl help
+      lmctl help config set
+    """
+    term = Terminal.of(ctx)
+
+    def body() -> None:
+        root_ctx = ctx.find_root()
+        target, where = root_ctx.command, root_ctx
+        for word in command or []:
+            sub = target.get_command(where, word) if hasattr(target, "get_command") else None
+            if sub is None:
+                name = " ".join([*where.command_path.split()[1:], word])
+                raise CommandError("usage", f"no command {name!r}: {where.command_path} --help lists the commands")
+            where = typer.Context(sub, info_name=word, parent=where)
+            target = sub
+        term.echo(target.get_help(where))
+
+    term.run(body)
 
 
 if __name__ == "__main__":

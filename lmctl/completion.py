@@ -10,6 +10,7 @@ installed CLI (label, adapter and model names come from the daemon). Built on ty
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from .terminal import CommandError
 
@@ -19,6 +20,39 @@ PROG = "lmctl"
 COMPLETE_VAR = "_LMCTL_COMPLETE"
 #: where distributions put the bash-completion framework, which loads per-user scripts
 BASH_COMPLETION = ("/usr/share/bash-completion/bash_completion", "/etc/bash_completion")
+
+
+TIERS = ("dram", "nvme", "remote")
+#: the store settings ``config set`` takes (``lmctl/settings.py`` reads them; a test keeps the two equal)
+STORE_SETTINGS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
+                  "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max")
+TIER_SETTINGS = ("capacity", "path", "pin_budget")
+REMOTE_SETTINGS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
+                   "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
+SETTING_KEYS = (*STORE_SETTINGS, *(f"tiers.{t}.{k}" for t in ("dram", "nvme") for k in TIER_SETTINGS),
+                *(f"remote.{k}" for k in REMOTE_SETTINGS))
+#: the values an option takes (by its flag, or "COMMAND FLAG" where one command differs), where
+#: they are a fixed few: the shell and the scripts complete them
+VALUES: dict[str, tuple[str, ...]] = {
+    "--sort": ("key", "age", "access", "size"),
+    "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin"),
+    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": TIERS,
+    "--codec": ("zstd-shuffle", "zstd", "raw"),
+    "--log-level": ("debug", "info", "warning", "error"),
+    "--shell": SHELLS, "SHELL": SHELLS,
+    "KEY=VALUE": tuple(k + "=" for k in SETTING_KEYS),
+}
+#: options whose value is a file: completed with file names
+FILE_OPTIONS = frozenset({"--file", "--tokens", "--messages", "--manifest", "--export-manifest", "--config",
+                          "--cache-salt-file", "--tokenizer", "--store"})
+
+
+def complete_values(option: str) -> Callable[[str], list[str]]:
+    """Completion of the values ``option`` takes (``VALUES``), for typer's ``autocompletion``."""
+    def complete(incomplete: str) -> list[str]:
+        return [v for v in VALUES[option] if v.startswith(incomplete)]
+
+    return complete
 
 
 def asked() -> bool:

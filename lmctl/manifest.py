@@ -28,7 +28,7 @@ from typing import Any
 
 from .client import RemoteError
 from .prefill import endpoint_base, prefill
-from .selectors import _read
+from .selectors import SALT_ENV, _read
 from .terminal import CommandError, Terminal
 
 MANIFEST_VERSION = 1
@@ -132,11 +132,13 @@ def _check_entry(f: Any) -> None:
         raise _Bad("keys", "must be a non-empty list of chunk keys (96 hex digits each)")
 
 
-def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_label: bool = False) -> list[Entry]:
+def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_label: bool = False,
+                   salt_given: bool = True) -> list[Entry]:
     """The entries of the manifest ``text`` (read from ``name``); a usage error names the
     first problem, its entry and field. ``cache_salt`` is ``--cache-salt``: it must be
-    given exactly when an entry needs one it does not hold. ``need_label``: every entry
-    must have a label (``warm --pin``)."""
+    given exactly when an entry needs one it does not hold (a salt from the environment,
+    ``salt_given`` false, may also go unused). ``need_label``: every entry must have a
+    label (``warm --pin``)."""
     def bad(where: str, message: str) -> CommandError:
         return CommandError("usage", f"manifest {name}: {where}: {message}")
 
@@ -170,8 +172,8 @@ def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_lab
             raise bad(f"documents[{i}].needs_cache_salt", "this document was pinned with a cache salt, which a "
                       "manifest never holds: pass --cache-salt SALT")
         entries.append(Entry(i, dict(f)))
-    if cache_salt is not None and not any(e.fields.get("needs_cache_salt") and "cache_salt" not in e.fields
-                                          for e in entries):
+    if cache_salt is not None and salt_given and not any(
+            e.fields.get("needs_cache_salt") and "cache_salt" not in e.fields for e in entries):
         raise CommandError("usage", f"--cache-salt applies to the entries of manifest {name} marked "
                                     "needs_cache_salt, and it has none")
     return entries
@@ -245,8 +247,8 @@ def _show_export(term: Terminal, r: dict[str, Any]) -> None:
     salted = (f"; {r['needs_cache_salt']} need --cache-salt to be warmed (salts are never exported)"
               if r["needs_cache_salt"] else "")
     keyed = f", {r['keys']} of chunk keys (pinned without a document lmctl recorded)" if r["keys"] else ""
-    term.console().print(f"{'would write' if r['dry_run'] else 'wrote'} {r['manifest']}: {r['documents']} "
-                         f"document(s){keyed}, {r['chunks']} pinned chunk(s){salted}")
+    term.say(f"{'would write' if r['dry_run'] else 'wrote'} {r['manifest']}: {r['documents']} "
+             f"document(s){keyed}, {r['chunks']} pinned chunk(s){salted}")
 
 
 # -- warm --manifest ---------------------------------------------------------------------------
@@ -277,7 +279,8 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
     other = [k for k in sel if k != "salt"]
     if other:
         raise CommandError("usage", f"--manifest takes its selectors from the manifest: drop {_options(other)}")
-    entries = parse_manifest(_read(path, "manifest"), path, sel.get("salt"), need_label=pin)
+    salt = sel.get("salt") or os.environ.get(SALT_ENV) or None  # --cache-salt(-file), else the environment's
+    entries = parse_manifest(_read(path, "manifest"), path, salt, need_label=pin, salt_given="salt" in sel)
     base = endpoint_base(endpoint) if endpoint else None
     tier = _target(term, to)
     rows: list[dict[str, Any]] = []
@@ -290,7 +293,7 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
                 update(i, n, f"{i + 1}/{n} {name}: {what} {done}/{total}")
 
             step(0, 0, "warming")
-            rows.append(_warm_entry(term, e, sel.get("salt"), tier, base, pin, dry_run, step))
+            rows.append(_warm_entry(term, e, salt, tier, base, pin, dry_run, step))
         update(n, n, "done")
     out: dict[str, Any] = {"manifest": path, "to": tier, "dry_run": dry_run, "entries": rows}
     for k in ROW_COUNTS:
@@ -331,22 +334,22 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
 
 
 def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
-    from .terminal import human
+    from .terminal import human, printable
 
     rows = [[str(x["index"]), x["label"] or "-", x["document"], str(x["chunks"]), str(x["found"]), str(x["moved"]),
              str(x["fetched"]), str(x["prefilled"]), str(x["missing"]),
              "failed" if x["error"] else "ok" if not x["missing"] else "partial"] for x in r["entries"]]
     term.table(None, ["entry", "label", "document", "chunks", "found", "moved", "from remote", "prefilled", "missing",
                       "status"], rows, {"chunks", "found", "moved", "from remote", "prefilled", "missing"})
-    c = term.console()
+
     def entries(n: int) -> str:
         return f"{n} entr{'y' if n == 1 else 'ies'}"
 
-    c.print(f"{'would warm' if r['dry_run'] else 'warmed'} {entries(len(r['entries']))} into {r['to']}: "
-            f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
-            f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
-            + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
+    term.say(f"{'would warm' if r['dry_run'] else 'warmed'} {entries(len(r['entries']))} into {r['to']}: "
+             f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
+             f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
+             + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
     for x in r["entries"]:
         if x["error"]:
-            print(f"lmctl: documents[{x['index']}]: {x['error']['message']}", file=term.err)
+            print(f"lmctl: documents[{x['index']}]: {printable(x['error']['message'])}", file=term.err)
 

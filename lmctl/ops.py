@@ -36,6 +36,7 @@ from .selection import (
     scope_of,
     select,
 )
+from .short_keys import resolve_key
 
 __all__ = ["OPS", "Cancelled", "Job", "UsageError", "select"]
 
@@ -101,7 +102,7 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     hit_tokens = hit * size if size else 0
     out = {
         "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
-        "first_miss": hit_tokens if hit_tokens < total else None,
+        "first_miss": hit_tokens if hit < len(keys) else None,  # null: every full chunk hits
         "tiers": per_tier, "namespace": namespace,
         "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
     }
@@ -515,10 +516,7 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     if key is None and len(keys) == 1 and not filters_of(sel) and sel.get("doc") is None:
         key = str(keys[0])
     if key is not None:
-        try:
-            k = parse_key(key)
-        except StoreError as exc:
-            raise UsageError(str(exc)) from None
+        k = resolve_key(store, key)
         info = store.info(k)
         if info is None:
             raise StoreError(f"no chunk {short_key(k)}… ({key}) in this store")
@@ -606,9 +604,12 @@ def op_inspect(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 def op_verify(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     deep = arg(args, "deep", bool, False)
     fix = arg(args, "fix", bool, False)
+    tiers = store.stats().tiers.values()  # what the pass covers, before a fix drops anything
+    checked = {"chunks": sum(t.chunks for t in tiers), "segments": sum(t.segments for t in tiers)}
     problems = store.check(fix=fix, deep=deep, progress=lambda d, t: job.progress(d, t, "verifying"))
-    return {"ok": not problems or all(p.fixed for p in problems), "deep": deep, "fixed": fix,
-            "problems": [{"kind": p.kind, "detail": p.detail, "fixed": p.fixed} for p in problems]}
+    return {"ok": not problems or all(p.fixed for p in problems), "deep": deep, "fixed": fix, "checked": checked,
+            "problems": [{"kind": p.kind, "key": None if p.key is None else p.key.hex(), "detail": p.detail,
+                          "fixed": p.fixed} for p in problems]}
 
 
 def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:

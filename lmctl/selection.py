@@ -18,9 +18,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from store import AdapterIdentity, ChunkInfo, Counts, Namespace, Store, StoreError, adapter_digest, parse_key
+from store import AdapterIdentity, ChunkInfo, Counts, Namespace, Store, StoreError, adapter_digest
 
 from .errors import UsageError
+from .short_keys import resolve_key
 
 
 def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -218,10 +219,7 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
     check_conflicts(args)
     doc = arg(args, "doc", dict)
     keys_hex = arg(args, "keys", list, [])
-    try:
-        explicit = [parse_key(str(k)) for k in keys_hex]
-    except StoreError as exc:
-        raise UsageError(str(exc)) from None
+    explicit = [resolve_key(store, str(k)) for k in keys_hex]  # a short key: the one stored chunk it starts
     if doc is not None:
         from .documents import check_document, tokenize
 

@@ -10,22 +10,51 @@ ended to its exit status.
   object, so a command runs in-process (typer's ``CliRunner``, the shell) exactly as in
   its own process.
 
+Human output never prints a control character raw (``printable``): a label or a path
+holding one cannot break a table's layout or send escape sequences to the terminal.
+A reader that goes away (``lmctl status | head -1``) ends the command with status 0, as
+git's do.
+
 Imports neither the store library nor rich at module level: ``lmctl --help`` starts fast.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import typer
 
-from .client import Client, RemoteError, Unreachable, UntrustedDaemon, default_socket
+if TYPE_CHECKING:
+    from .client import Client
+
+
+def _console_class() -> Any:
+    """rich's Console, except that a closed stdout raises BrokenPipeError for ``Terminal.run``
+    (rich itself would exit 1 without a word)."""
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console
+
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+        _CONSOLE = _Console
+    return _CONSOLE
+
+
+_CONSOLE: Any = None
 
 
 class ExitStatus(IntEnum):
@@ -68,6 +97,8 @@ def classify(exc: BaseException) -> Failure:
     """The one rule: what a command that ended with ``exc`` exits with and says."""
     from typer import _click as click  # typer's own click (typer >= 0.25 vendors it)
 
+    from .client import RemoteError, Unreachable, UntrustedDaemon
+
     if isinstance(exc, UntrustedDaemon):
         return Failure.of("untrusted", str(exc))
     if isinstance(exc, Unreachable):
@@ -84,6 +115,21 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, click.exceptions.ClickException):
         return Failure.of("usage", exc.format_message())
     return Failure.of("failed", f"internal error: {type(exc).__name__}: {exc}")  # a bug: never a traceback
+
+
+#: C0 and C1 control characters, DEL, and the bidirectional overrides that reorder what a
+#: terminal shows (a label could otherwise hide or fake text in a table)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character written as its escape (``\\n``, ``\\x1b``)."""
+    def esc(m: re.Match[str]) -> str:
+        c = m.group()
+        return _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+    return _CONTROL.sub(esc, text)
 
 
 def human(n: float) -> str:
@@ -108,11 +154,23 @@ class Terminal:
     stderr: TextIO | None = None
     is_tty: bool | None = None
     color: bool | None = None
-    socket: str = field(default_factory=default_socket)
+    socket: str | None = None  # None: the default (``address``)
     socket_given: bool = False  # --socket or $LMCTL_SOCKET named it (serve then uses it)
     daemon_uids: frozenset[int] | None = None  # --daemon-uid (None: $LMCTL_DAEMON_UID's)
     keep_open: bool = False  # the shell keeps one connection for the whole session
     client: Client | None = None
+    err_tty: bool | None = None  # None: ask stderr (where progress and the wait notice go)
+    wait_notice_s: float = 1.0  # a request that takes longer says so on a terminal
+    line: list[str] = field(default_factory=list)  # the words of the command line being run
+    #: the last progress the daemon reported for the running request: (done, total, what)
+    last_progress: tuple[int, int, str] | None = None
+
+    @property
+    def address(self) -> str:
+        """The daemon's socket: ``socket``, else $LMCTL_SOCKET, else $LMCTL_STORE's."""
+        from .client import default_socket
+
+        return self.socket or default_socket()
 
     @staticmethod
     def of(ctx: typer.Context) -> Terminal:
@@ -137,26 +195,49 @@ class Terminal:
     def echo(self, text: str = "", end: str = "\n") -> None:
         print(text, end=end, file=self.out)
 
+    def say(self, text: str) -> None:
+        """A line for people: no markup, control characters escaped."""
+        self.console().print(printable(text), markup=False)
+
     def console(self) -> Any:
         """A rich console on stdout. Lines are never broken inside a value; piped output gets
         room for wide tables."""
-        from rich.console import Console
-
         tty = self.is_tty if self.is_tty is not None else self.out.isatty()
-        return Console(file=self.stdout, highlight=False, soft_wrap=True, width=None if tty else 200,
-                       force_terminal=self.is_tty, color_system=self._color_system())
+        return _console_class()(file=self.stdout, highlight=False, soft_wrap=True, width=None if tty else 200,
+                                force_terminal=self.is_tty, color_system=self._color_system())
+
+    def flush(self) -> None:
+        """Flush stdout; a reader that went away is no failure (what is left goes nowhere)."""
+        try:
+            self.out.flush()
+        except BrokenPipeError:
+            self.silence()
+
+    def silence(self) -> None:
+        """Send what stdout still gets to /dev/null: its reader has gone (``| head``), and
+        the interpreter's last flush would otherwise fail the exit status."""
+        try:
+            fd = self.out.fileno()
+        except (AttributeError, OSError, ValueError):  # an in-process stream
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
 
     def _color_system(self) -> Literal["auto", "standard"] | None:
         return "auto" if self.color is None else "standard" if self.color else None
 
-    def table(self, title: str | None, cols: list[str], rows: list[list[str]], right: set[str] | None = None) -> None:
+    def table(self, title: str | None, cols: list[str], rows: list[list[Any]], right: set[str] | None = None) -> None:
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title=title)
         for c in cols:
             t.add_column(c, justify="right" if right and c in right else "left")
-        for r in rows:
-            t.add_row(*r)
+        for r in rows:  # a cell is plain text (never markup), unless it is already a rich Text
+            t.add_row(*(Text(printable(c)) if isinstance(c, str) else c for c in r))
         self.console().print(t)
 
     def emit(self, result: dict[str, Any], show: Callable[[Terminal, dict[str, Any]], None]) -> None:
@@ -168,22 +249,31 @@ class Terminal:
 
     @contextmanager
     def progress(self) -> Iterator[Callable[[int, int, str], None]]:
-        """A progress bar on stderr while a long job runs (shown only when stderr is a terminal)."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        """A progress bar on stderr while a long job runs (shown only when stderr is a
+        terminal), from the job's first progress report on."""
+        bar: Any = None
+        task: Any = None
 
-        console = Console(file=self.stderr, stderr=True, color_system=self._color_system())
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       console=console, transient=True, disable=not console.is_terminal)
-        task = None
-        with bar:
-            def update(done: int, total: int, what: str) -> None:
-                nonlocal task
-                if task is None:
-                    task = bar.add_task(what or "working", total=total or None)
-                bar.update(task, completed=done, total=total or None, description=what or "working")
+        def update(done: int, total: int, what: str) -> None:
+            nonlocal bar, task
+            if bar is None:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+                console = Console(file=self.stderr, stderr=True, color_system=self._color_system(),
+                                  force_terminal=self.err_tty)
+                bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), console=console, transient=True,
+                               disable=not console.is_terminal)
+                bar.start()
+                task = bar.add_task(what or "working", total=total or None)
+            bar.update(task, completed=done, total=total or None, description=printable(what) or "working")
+
+        try:
             yield update
+        finally:
+            if bar is not None:
+                bar.stop()
 
     # -- failures -------------------------------------------------------------------------
     def show_failure(self, failure: Failure) -> int:
@@ -192,7 +282,7 @@ class Terminal:
             self.echo(json.dumps({"error": {"code": failure.code, "message": failure.message,
                                             "exit": int(failure.status)}}))
         else:
-            print(f"lmctl: {failure.message}", file=self.err)
+            print(f"lmctl: {printable(failure.message)}", file=self.err)
         return int(failure.status)
 
     def report(self, code: str, message: str) -> int:
@@ -208,9 +298,18 @@ class Terminal:
             body()
         except typer.Exit:
             raise
-        except (Exception, KeyboardInterrupt) as exc:
-            if isinstance(exc, KeyboardInterrupt):
-                self.hang_up()  # which cancels the daemon's job
+        except BrokenPipeError:  # stdout's reader went away (the daemon's socket never raises it)
+            self.silence()
+            raise typer.Exit(ExitStatus.OK) from None
+        except KeyboardInterrupt:
+            self.hang_up()  # which cancels the daemon's job
+            failure = classify(KeyboardInterrupt())
+            if self.last_progress is not None:
+                done, total, what = self.last_progress
+                failure = Failure.of("interrupted", f"interrupted after {done} of {total}" + (
+                    f" ({what})" if what else "") + "; the daemon cancels the job (changes made so far stay)")
+            raise typer.Exit(self.show_failure(failure)) from None
+        except Exception as exc:
             raise typer.Exit(self.fail(exc)) from None
 
     # -- the daemon -----------------------------------------------------------------------
@@ -219,17 +318,77 @@ class Terminal:
         """One request to the daemon; ``long`` ones show a progress bar (not under --json),
         or tell ``progress`` how the job goes (a caller that shows one bar for many requests)."""
         if self.client is None:
-            self.client = Client(self.socket, daemon_uids=self.daemon_uids)
+            from .client import Client
+
+            self.client = Client(self.address, daemon_uids=self.daemon_uids)
+        self.last_progress = None
         try:
-            if progress is not None:
-                return self.client.call(cmd, args, progress)
-            if long and not self.json:
-                with self.progress() as update:
-                    return self.client.call(cmd, args, update)
-            return self.client.call(cmd, args)
+            # a caller with a bar of its own has it show how the requests go
+            with self.waiting(cmd if progress is None else None) as heard, ExitStack() as stack:
+                bar = stack.enter_context(self.progress()) if long and progress is None and not self.json else None
+
+                def note(done: int, total: int, what: str) -> None:
+                    heard()  # the wait notice goes: a progress bar (or the reply) follows
+                    self.last_progress = (done, total, what)
+                    if progress is not None:
+                        progress(done, total, what)
+                    elif bar is not None:
+                        bar(done, total, what)
+
+                return self.client.call(cmd, args, note)
         finally:
             if not self.keep_open:
                 self.hang_up()
+
+    def _err_is_tty(self) -> bool:
+        if self.err_tty is not None:
+            return self.err_tty
+        try:
+            return self.err.isatty()
+        except (AttributeError, ValueError):
+            return False
+
+    @contextmanager
+    def waiting(self, cmd: str | None) -> Iterator[Callable[[], None]]:
+        """While a request runs: on a terminal (stderr, not under --json), a line that says
+        the CLI waits for the daemon, once it has waited ``wait_notice_s`` (the first lookup
+        of a model loads its tokenizer); gone when the reply or a progress report comes.
+        Yields what stops it early."""
+        if cmd is None or self.json or not self._err_is_tty():
+            yield lambda: None
+            return
+        stop = threading.Event()
+        shown = threading.Event()
+
+        def spin() -> None:
+            if stop.wait(self.wait_notice_s):
+                return
+            start = time.monotonic() - self.wait_notice_s
+            frames = "|/-\\"
+            i = 0
+            while not stop.is_set():
+                self.err.write(f"\r{frames[i % 4]} lmctl: waiting for the daemon ({cmd}), "
+                               f"{time.monotonic() - start:.0f} s; Ctrl-C cancels")
+                self.err.flush()
+                shown.set()
+                i += 1
+                stop.wait(0.25)
+
+        t = threading.Thread(target=spin, name="lmctl-wait", daemon=True)
+        t.start()
+
+        def done() -> None:
+            if not stop.is_set():
+                stop.set()
+                t.join()
+                if shown.is_set():
+                    self.err.write("\r\x1b[K")  # erase the line: the reply (or a progress bar) follows
+                    self.err.flush()
+
+        try:
+            yield done
+        finally:
+            done()
 
     def hang_up(self) -> None:
         if self.client is not None:

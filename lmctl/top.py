@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .terminal import human
+from .terminal import human, printable
 
 Snapshot = dict[str, Any]
 
@@ -97,13 +97,16 @@ def render(view: dict[str, Any], live: bool = True) -> Any:
     def per_s(x: float | None) -> str:
         return "-" if x is None else f"{human(x)}/s"
 
+    def text(s: str) -> Text:  # a name is text, never markup, and prints no control character
+        return Text(printable(s))
+
     parts: list[Any] = [Text(time.strftime("lmctl top  %H:%M:%S", time.localtime(view["time"]))
                              + ("   q quits" if live else ""), style="bold")]
     eng = Table(title="engine lookups (every process using the store)", title_justify="left", expand=False)
     for col in ("model", "adapter", "lookups", "hit rate", "hit rate now"):
         eng.add_column(col, justify="right" if col not in ("model", "adapter") else "left")
     for e in view["engines"]:
-        eng.add_row(e["model"][-40:], e["adapter"] or "(base)", str(e["lookups"]), pct(e["hit_rate"]),
+        eng.add_row(text(e["model"][-40:]), text(e["adapter"] or "(base)"), str(e["lookups"]), pct(e["hit_rate"]),
                     pct(e["hit_rate_now"]))
     if not view["engines"]:
         eng.add_row("(no engine lookups yet)", "", "", "", "")
@@ -119,7 +122,7 @@ def render(view: dict[str, Any], live: bool = True) -> Any:
     parts.append(tiers)
     rm = view.get("remote")
     if rm:
-        parts.append(Text(f"remote {rm['url']}: breaker {rm['breaker']}, in {per_s(rm['bytes_in_per_s'])}, "
+        parts.append(text(f"remote {rm['url']}: breaker {rm['breaker']}, in {per_s(rm['bytes_in_per_s'])}, "
                           f"out {per_s(rm['bytes_out_per_s'])}, errors {rm['errors']:.0f}"))
     k = view["counters"]
     parts.append(Text(f"corrupt {k.get('corrupt', 0)}  evicted {k.get('evicted', 0)}  "
@@ -136,7 +139,7 @@ def render(view: dict[str, Any], live: bool = True) -> Any:
         for col in ("id", "command", "progress", "running"):
             jobs.add_column(col)
         for j in view["jobs"]:
-            jobs.add_row(str(j["id"]), f"{j['cmd']} {j['what']}".strip(),
+            jobs.add_row(str(j["id"]), text(f"{j['cmd']} {j['what']}".strip()),
                          f"{j['done']}/{j['total']}" if j["total"] else str(j["done"]), f"{j['running_s']:.0f} s")
         parts.append(jobs)
     else:

@@ -29,8 +29,11 @@ if TYPE_CHECKING:
     from .sharing import Sharing
     from .store import Store
 
-#: differences between two namespaces, the one that names the reason first
-ORDER = ("other-model", "other-adapter", "other-adapter-version", "other-salt", "other-model-fingerprint",
+#: differences between two namespaces, the one that names the reason first; of holders that
+#: differ in as many fields, the one whose first difference comes earlier here is the closer:
+#: another version of the asked adapter (its weights changed) before another adapter, which
+#: the base model and sibling adapters of a shared document always are
+ORDER = ("other-model", "other-adapter-version", "other-adapter", "other-salt", "other-model-fingerprint",
          "other-kv-format")
 
 _EVICTED = {"lru": "it was the least recently used chunk when tier {tier} needed room",

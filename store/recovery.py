@@ -343,7 +343,7 @@ class Recovery:
                     p.fixed = True
         for k in unreadable:
             problems.append(Problem("unreadable-entry", f"chunk {short_key(k)}: its index entry cannot be decoded",
-                                    fix))
+                                    fix, key=k))
         if fix and unreadable:
             def forget(t: Txn) -> None:
                 for k in unreadable:
@@ -386,9 +386,9 @@ class Recovery:
             if kind == "missing-file" and st is not None and os.path.exists(st.io.path(e.seg)):
                 continue
             if kind == "dangling-entry":
-                problems.append(Problem(kind, f"chunk {short_key(key)} points to missing segment {e.seg}"))
+                problems.append(Problem(kind, f"chunk {short_key(key)} points to missing segment {e.seg}", key=key))
             else:
-                problems.append(Problem(kind, f"segment {e.seg} file is missing"))
+                problems.append(Problem(kind, f"segment {e.seg} file is missing", key=key))
             bad.append((key, e))
         return bad
 
@@ -431,7 +431,7 @@ class Recovery:
                 except (CorruptRecord, SegmentGone, ValueError, OverflowError) as exc:
                     if self._moved(key, e):
                         continue
-                    problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}"))
+                    problems.append(Problem("corrupt-chunk", f"chunk {short_key(key)}: {exc}", key=key))
                     bad.append((key, e))
                 except OSError as exc:  # a disk error: this chunk is unreadable; the pass goes on
                     if self._moved(key, e):

@@ -102,11 +102,12 @@ class LookupResult:
 
 @dataclass
 class Problem:
-    """One inconsistency found by ``Store.check``."""
+    """One inconsistency found by ``Store.check`` (``key``: the chunk it is about, if one)."""
 
     kind: str
     detail: str
     fixed: bool = False
+    key: bytes | None = None
 
 
 class Evicted(NamedTuple):

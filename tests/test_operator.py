@@ -509,6 +509,6 @@ def test_the_shell_takes_json_before_the_command(daemon: Daemon) -> None:
     r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(daemon.sock), "shell"],
                        input="--json status\nls --limit abc\nexit\n", capture_output=True, text=True,
                        env={**env_with_path(), "HOME": str(daemon.store.parent)}, timeout=60)
-    assert r.returncode == 0
+    assert r.returncode == 2  # a script's failed line (the usage error) is its exit status
     assert '"daemon": {' in r.stdout and "unknown command" not in r.stderr
     assert "lmctl: " in r.stderr and "Usage:" not in r.stderr + r.stdout
