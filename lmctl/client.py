@@ -34,6 +34,12 @@ class RemoteError(Exception):
         super().__init__(message)
         self.code = code
 
+    @classmethod
+    def of(cls, reply: dict[str, Any]) -> RemoteError:
+        """The error of a reply that is not ok."""
+        err = reply.get("error") or {}
+        return cls(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
+
 
 class _Closed(Exception):
     """The daemon closed the connection before answering anything."""
@@ -97,6 +103,9 @@ class Client:
             try:
                 protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
             except (BrokenPipeError, ConnectionResetError) as exc:
+                refusal = self._refusal()
+                if refusal is not None:
+                    raise refusal from None
                 raise _Closed(f"connection lost: {exc}") from None
             while True:
                 msg = protocol.read_frame(self._sock, self.timeout)
@@ -119,8 +128,7 @@ class Client:
                     if rows:
                         result["chunks"] = list(result.get("chunks") or []) + rows
                     return result
-                err = msg.get("error") or {}
-                raise RemoteError(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
+                raise RemoteError.of(msg)
         except (BrokenPipeError, ConnectionResetError) as exc:
             if not heard:
                 raise _Closed(f"connection lost: {exc}") from None
@@ -136,6 +144,18 @@ class Client:
             # Ctrl-C mid-request: hang up, which cancels the daemon's job
             self.close()
             raise
+
+    def _refusal(self) -> RemoteError | None:
+        """The reply a daemon sent before it hung up without reading our request (a refused
+        peer, a busy daemon): it is still there to read after our send found the socket shut."""
+        assert self._sock is not None
+        try:
+            msg = protocol.read_frame(self._sock, 1.0)
+        except (OSError, protocol.ProtocolError):
+            return None
+        if msg is None or msg.get("ok") is not False:
+            return None
+        return RemoteError.of(msg)
 
     def close(self) -> None:
         if self._sock is not None:
