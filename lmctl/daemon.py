@@ -33,7 +33,7 @@ from store import Store, StoreError
 from store.private import make_private_dir
 
 from . import __version__, protocol
-from .errors import Cancelled, UsageError
+from .errors import Cancelled, Denied, UsageError
 from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 from .selection import set_caller
@@ -643,6 +643,8 @@ class Daemon:
             result = op(st.store, args, job)
         except UsageError as exc:
             return fail("usage", str(exc))
+        except Denied as exc:
+            return fail("denied", str(exc))
         except Cancelled as exc:
             log.info("job %d (%s) cancelled: %s", job.id, cmd, exc)
             return fail("cancelled", str(exc))

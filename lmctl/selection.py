@@ -91,6 +91,14 @@ def caller_uid() -> int | None:
     return uid if isinstance(uid, int) and uid >= 0 else None
 
 
+def caller_is_owner() -> bool:
+    """Whether this thread's request is the store owner's (the daemon's user) or root's. A
+    request of no known peer (a call in the daemon's own process) is the owner's; a peer whose
+    credentials could not be read is not."""
+    uid = getattr(_caller, "uid", None)
+    return uid is None or uid in (0, os.geteuid())
+
+
 def _check_adapter_folder(path: str) -> None:
     """Before hashing a folder named by a client: it must look like an adapter (few files,
     bounded size: never a walk of /usr or /), and a client of another uid must be able to

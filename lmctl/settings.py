@@ -10,8 +10,9 @@ validated on a copy of the settings; nothing is applied unless all of it is vali
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
@@ -27,6 +28,11 @@ TIER_KEYS = ("capacity", "path", "pin_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                "password_file")
+#: settings that make the daemon read a file or connect somewhere, or that lower what it
+#: checks: only the store's owner (the daemon's user) or root may change them through the
+#: daemon (``fnmatch`` patterns; names of settings other versions have are kept too)
+OWNER_ONLY = ("remote.url", "remote.password_file", "remote.secret_file", "remote.previous_secret_file",
+              "remote.trust", "remote.encrypt", "tiers.*.path")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group",
                "metrics")
@@ -115,6 +121,11 @@ def _read_store_key(key: str, value: Any) -> Any:
                              "keeps)")
         return n
     return _number(value, key)  # low_watermark, compact_dead_ratio: validate() checks ranges
+
+
+def owner_only(names: Iterable[str]) -> list[str]:
+    """The settings among ``names`` that only the store's owner or root may change."""
+    return sorted(n for n in map(str, names) if any(fnmatch.fnmatchcase(n, p) for p in OWNER_ONLY))
 
 
 def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConfig:

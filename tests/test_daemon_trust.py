@@ -5,6 +5,7 @@ second uids (made for the test, root only), real sockets, a real listener."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from conftest import env_with_path
 from test_daemon import Daemon, cj, fill
 
 from stress.users import AsUser, User, as_user, call, flood, open_folder, threads_of, throwaway_user
+from stress.users import cli as run_cli
 
 
 @pytest.fixture
@@ -94,3 +96,96 @@ def test_a_flood_of_refused_peers_never_keeps_the_owner_out(tmp_path: Path, user
         assert cj(d, "status")["daemon"]["pid"] == d.proc.pid
     finally:
         stop(d)
+
+
+# -- settings only the owner may change -----------------------------------------------------------
+class Listener:
+    """A TCP server on loopback that records whatever anyone sends it (a peer's own listener)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.received = bytearray()
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(1.0)
+                try:
+                    while data := conn.recv(4096):
+                        self.received += data
+                        conn.sendall(b"-ERR no\r\n")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def allowed(tmp_path: Path, user: User, shared: Path) -> Iterator[Daemon]:
+    """A daemon that ``user`` may use (``--allow-uid``), on a socket she can reach."""
+    fill(tmp_path / "store")
+    d = Daemon(tmp_path / "store", shared / "lmctl.sock",
+               ["--allow-uid", str(user.uid), "--socket-mode", "0666"])
+    d.start()
+    try:
+        yield d
+    finally:
+        stop(d)
+
+
+def test_an_allowed_peer_cannot_make_the_daemon_send_a_root_only_file_to_her_listener(
+        tmp_path: Path, user: User, allowed: Daemon) -> None:
+    secret = tmp_path / "redis-password"  # the owner's: root-only, in a folder she cannot enter
+    secret.write_text("the-root-only-first-line\nsecond\n")
+    os.chmod(secret, 0o600)
+    listener = Listener()
+    try:
+        sock = str(allowed.sock)
+        attack = {"remote.password_file": str(secret), "remote.url": f"redis://127.0.0.1:{listener.port}/0"}
+        got = as_user(user, call, sock, "config", {"set": attack})
+        # the daemon is put to work as it would be with a remote tier: nothing reaches the listener
+        cj(allowed, "lookup", "--key", "ff" * 48)
+        assert as_user(user, call, sock, "status").get("ok"), "the allowed peer may still use the daemon"
+        time.sleep(0.5)
+        assert b"the-root-only-first-line" not in listener.received, bytes(listener.received)
+        assert listener.connections == 0
+        assert got.get("error") == "denied", got
+        assert "remote.password_file, remote.url" in got["message"] and "owner" in got["message"], got
+        assert cj(allowed, "config", "show")["settings"]["remote"] is None  # nothing applied
+        # each such setting on its own, and through the command line (exit 1, one line)
+        for name, value in [("remote.url", f"redis://127.0.0.1:{listener.port}/0"),
+                            ("remote.password_file", str(secret)), ("remote.secret_file", str(secret)),
+                            ("remote.previous_secret_file", str(secret)), ("tiers.nvme.path", "/tmp"),
+                            ("tiers.dram.path", str(tmp_path / "elsewhere"))]:
+            got = as_user(user, call, sock, "config", {"set": {name: value}})
+            assert got.get("error") == "denied" and name in got["message"], (name, got)
+        # (the child imports nothing the interpreter's folder would have to give it: warm up here)
+        assert run_cli("--socket", sock, "config", "set", "no.such.setting=1")["rc"] == 2
+        out = as_user(user, run_cli, "--socket", sock, "config", "set", f"remote.password_file={secret}")
+        assert out["rc"] == 1 and len(out["stderr"].strip().splitlines()) == 1, out
+        assert "may not change remote.password_file" in out["stderr"] and "Traceback" not in out["stderr"]
+        # settings that read nothing and connect nowhere stay open to allowed peers
+        got = as_user(user, call, sock, "config", {"set": {"codec_level": 3}})
+        assert got.get("ok") and got["ok"]["settings"]["codec_level"] == 3, got
+        # and the owner changes any of them
+        r = cj(allowed, "config", "set", f"remote.url=redis://127.0.0.1:{listener.port}/0")
+        assert r["settings"]["remote"]["url"].startswith("redis://127.0.0.1")
+    finally:
+        listener.close()
+    assert not (tmp_path / "elsewhere").exists()
