@@ -4,6 +4,7 @@ second uids (made for the test, root only), real sockets, a real listener."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from conftest import env_with_path
-from test_daemon import Daemon, cj, fill
+from test_daemon import TOKENS, Daemon, cj, fill
 
+from store import adapter_digest
 from stress.users import AsUser, User, as_user, call, flood, open_folder, threads_of, throwaway_user
 from stress.users import cli as run_cli
 
@@ -144,6 +146,10 @@ def allowed(tmp_path: Path, user: User, shared: Path) -> Iterator[Daemon]:
                ["--allow-uid", str(user.uid), "--socket-mode", "0666"])
     d.start()
     try:
+        # the command line once as the owner (human and JSON output, an error): a child running
+        # as the other user cannot import from the interpreter's folder, so it finds them loaded
+        assert run_cli("--socket", str(d.sock), "config", "set", "no.such.setting=1")["rc"] == 2
+        assert run_cli("--socket", str(d.sock), "--json", "lookup", "--tokens", "/nonexistent")["rc"] == 2
         yield d
     finally:
         stop(d)
@@ -175,8 +181,6 @@ def test_an_allowed_peer_cannot_make_the_daemon_send_a_root_only_file_to_her_lis
                             ("tiers.dram.path", str(tmp_path / "elsewhere"))]:
             got = as_user(user, call, sock, "config", {"set": {name: value}})
             assert got.get("error") == "denied" and name in got["message"], (name, got)
-        # (the child imports nothing the interpreter's folder would have to give it: warm up here)
-        assert run_cli("--socket", sock, "config", "set", "no.such.setting=1")["rc"] == 2
         out = as_user(user, run_cli, "--socket", sock, "config", "set", f"remote.password_file={secret}")
         assert out["rc"] == 1 and len(out["stderr"].strip().splitlines()) == 1, out
         assert "may not change remote.password_file" in out["stderr"] and "Traceback" not in out["stderr"]
@@ -189,3 +193,46 @@ def test_an_allowed_peer_cannot_make_the_daemon_send_a_root_only_file_to_her_lis
     finally:
         listener.close()
     assert not (tmp_path / "elsewhere").exists()
+
+
+# -- folders the daemon would read for a peer -----------------------------------------------------
+def test_an_adapter_folder_is_hashed_with_the_callers_rights_not_the_daemons(
+        tmp_path: Path, user: User, shared: Path, allowed: Daemon) -> None:
+    private = tmp_path / "private"  # a folder she cannot enter, holding a file anyone may read
+    private.mkdir(mode=0o700)
+    target = private / "adapter_model.safetensors"
+    target.write_bytes(b"the owner's weights")
+    os.chmod(target, 0o644)
+    evil = shared / "evil"  # her folder: a symlink to that file, walked around the folder's mode
+    evil.mkdir()
+    (evil / "adapter_model.safetensors").symlink_to(target)
+    os.lchown(evil / "adapter_model.safetensors", user.uid, user.gid)
+    os.chown(evil, user.uid, user.gid)
+    leaked = adapter_digest(evil)  # what the daemon's rights make of it: a digest of the owner's file
+    doc = shared / "doc.json"
+    doc.write_text(json.dumps(TOKENS))
+    sock = str(allowed.sock)
+    got = as_user(user, call, sock, "lookup", {"doc": {"tokens": TOKENS}, "adapter": str(evil)})
+    assert leaked not in json.dumps(got), got
+    assert got.get("error") == "denied" and "NAME@DIGEST" in got["message"], got
+    # the command line hashes the folder itself, as her: the file is out of her reach
+    out = as_user(user, run_cli, "--socket", sock, "--json", "lookup", "--tokens", str(doc), "--adapter", str(evil))
+    assert out["rc"] == 2 and "Permission denied" in out["stdout"] and leaked not in out["stdout"], out
+    # a folder of her own works as it always did: its digest is hers to compute
+    mine = shared / "mine"
+    mine.mkdir()
+    (mine / "adapter_config.json").write_text('{"r": 8}')
+    os.chown(mine, user.uid, user.gid)
+    os.chown(mine / "adapter_config.json", user.uid, user.gid)
+    out = as_user(user, run_cli, "--socket", sock, "--json", "lookup", "--tokens", str(doc), "--adapter", str(mine))
+    assert out["rc"] == 0, out
+    assert json.loads(out["stdout"])["namespace"]["adapter"] == f"mine@{adapter_digest(mine)}"
+    # the owner's own requests may still name a folder for the daemon to hash
+    r = cj(allowed, "lookup", "--tokens", str(doc), "--adapter", str(evil))
+    assert r["namespace"]["adapter"] == f"evil@{leaked}"
+
+
+def test_another_uid_cannot_make_the_daemon_load_a_tokenizer_of_her_choosing(
+        user: User, allowed: Daemon) -> None:
+    got = as_user(user, call, str(allowed.sock), "lookup", {"doc": {"text": "hello"}, "tokenizer": "/root"})
+    assert got.get("error") == "denied" and "--tokens FILE" in got["message"], got
