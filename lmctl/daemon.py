@@ -37,6 +37,7 @@ from .errors import Cancelled, Denied, UsageError
 from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 from .selection import set_caller
+from .settings import check_id, maintenance_interval
 
 log = logging.getLogger("lmctl.daemon")
 
@@ -287,7 +288,8 @@ def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tup
 
         group = str(socket_group)
         try:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            numeric = group.isascii() and group.isdigit()  # "²" is a digit to isdigit, not to int
+            gid = check_id(int(group), "--socket-group") if numeric else grp.getgrnam(group).gr_gid
         except KeyError:
             raise UsageError(f"--socket-group: no group named {group!r}") from None
     return mode, gid
@@ -306,9 +308,7 @@ class Daemon:
         self.allow = {os.getuid(), *allow_uids}
         self.socket_mode = socket_mode
         self.socket_group = socket_group
-        if not maintenance_s > 0:
-            raise UsageError(f"--maintenance-interval must be a positive number of seconds, not {maintenance_s}")
-        self.maintenance_s = maintenance_s
+        self.maintenance_s = maintenance_interval(maintenance_s)
         self.init = init
         self.settings = dict(settings or {})
         self.metrics = metrics

@@ -11,6 +11,7 @@ the model. The CLI builds selectors (``lmctl/selectors.py``); the operations
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -34,6 +35,8 @@ def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
     if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, float)):
         want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise UsageError(f"argument {name!r} must be {want}, got {type(v).__name__}")
+    if isinstance(v, float) and not math.isfinite(v):  # JSON as Python reads it has NaN and Infinity
+        raise UsageError(f"argument {name!r} must be a finite number, not {v}")
     return v
 
 

@@ -17,4 +17,7 @@ def parse_duration(text: str) -> float:
     m = _DURATION.match(text)
     if not m:
         raise ValueError(f"{text!r} is not a duration like 90s, 30m, 12h or 7d")
-    return float(m.group(1)) * _SECONDS[m.group(2)]
+    secs = float(m.group(1)) * _SECONDS[m.group(2)]
+    if secs == float("inf"):  # 400 digits make a float that is no duration
+        raise ValueError(f"{text.strip()[:40]!r} is too long a duration")
+    return secs

@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
 import struct
@@ -55,6 +56,8 @@ from .private import FILE_MODE, make_private_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+log = logging.getLogger("lmctl.store")
 
 ALIGN = 4096
 PIECE = 8 << 20  # writes: pipelining granularity for large transfers
@@ -90,6 +93,17 @@ def is_aligned(view: memoryview) -> bool:
     if len(view) == 0:
         return False
     return bool(np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0)
+
+
+def header_problem(head: bytes) -> str | None:
+    """Why a segment file's first bytes rule it out as a segment this lmctl reads, or None."""
+    magic, version, _seg_id, _created = _SEGMENT_HEADER.unpack_from(head, 0)
+    if magic != SEG_MAGIC:
+        return "not an lmctl segment (its header has no segment magic)"
+    if version != SEG_VERSION:
+        return (f"segment format {version}, which this lmctl (format {SEG_VERSION}) does not read"
+                + ("; use a newer lmctl" if version > SEG_VERSION else ""))
+    return None
 
 
 def segment_name(seg_id: int) -> str:
@@ -431,6 +445,13 @@ class SegmentIO:
         """
         path = self.path(seg_id)
         with open(path, "rb", buffering=0) as f:
+            head = os.pread(f.fileno(), _SEGMENT_HEADER.size, 0)
+            if len(head) < _SEGMENT_HEADER.size:
+                return  # a writer killed as it made the file: nothing in it
+            why = header_problem(head)
+            if why is not None:  # its records may mean something else: none is taken
+                log.warning("skipped segment file %s: %s", path, why)
+                return
             end = os.fstat(f.fileno()).st_size if size is None else min(size, os.fstat(f.fileno()).st_size)
             start = ALIGN  # after the segment header
             pos = ALIGN
