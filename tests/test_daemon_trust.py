@@ -237,3 +237,43 @@ def test_another_uid_cannot_make_the_daemon_load_a_tokenizer_of_her_choosing(
         user: User, allowed: Daemon) -> None:
     got = as_user(user, call, str(allowed.sock), "lookup", {"doc": {"text": "hello"}, "tokenizer": "/root"})
     assert got.get("error") == "denied" and "--tokens FILE" in got["message"], got
+
+
+def test_a_client_with_a_timeout_waits_while_the_daemons_accept_queue_is_full(tmp_path: Path) -> None:
+    from lmctl.client import Client
+
+    path = str(tmp_path / "busy.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(0)
+    queued = []
+    try:
+        for _ in range(4):  # fill the queue of connections not yet accepted (a flood's effect)
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        assert queued, "the queue never filled"
+        freed = threading.Event()
+
+        def accept_one() -> None:
+            freed.wait(10)
+            srv.accept()[0].close()
+
+        t = threading.Thread(target=accept_one)
+        t.start()
+        c = Client(path, timeout=10)
+        threading.Timer(0.2, freed.set).start()  # room comes while the client waits
+        try:
+            c.connect()  # told EAGAIN at first: it waits for room instead of giving up
+        finally:
+            c.close()
+            t.join()
+    finally:
+        for s in queued:
+            s.close()
+        srv.close()
