@@ -169,7 +169,8 @@ def serve(
     import logging
 
     from .daemon import Daemon, socket_access
-    from .settings import serve_settings
+    from .settings import check_id, serve_settings
+    from .settings import maintenance_interval as check_interval
 
     term = Terminal.of(ctx)
 
@@ -190,18 +191,15 @@ def serve(
             level = (log_level or daemon.get("log_level") or "info").upper()
             if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
                 raise CommandError("usage", f"--log-level must be debug, info, warning or error, not {level.lower()!r}")
-            interval = maintenance_interval if maintenance_interval is not None else daemon.get(
-                "maintenance_interval", 30)
-            if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
-                raise CommandError("usage",
-                                   f"--maintenance-interval must be a positive number of seconds, not {interval}")
-            uids = list(allow_uid or daemon.get("allow_uid") or [])
+            interval = check_interval(maintenance_interval if maintenance_interval is not None else daemon.get(
+                "maintenance_interval", 30))
+            uids = [check_id(u, "--allow-uid") for u in allow_uid or daemon.get("allow_uid") or []]
             mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
                                       socket_group or daemon.get("socket_group"))
             logging.basicConfig(stream=term.err, level=getattr(logging, level),
                                 format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
             listen = metrics or daemon.get("metrics")
-            clean = Daemon(store_dir, sock, uids, float(interval), socket_mode=mode, socket_group=gid, init=init,
+            clean = Daemon(store_dir, sock, uids, interval, socket_mode=mode, socket_group=gid, init=init,
                            settings=changes, metrics=None if listen is None else str(listen)).serve()
         raise typer.Exit(ExitStatus.OK if clean else ExitStatus.ERROR)
 

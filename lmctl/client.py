@@ -9,10 +9,12 @@ daemon of this user, of root, or of a uid the operator names (``--daemon-uid``,
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,6 +49,21 @@ def default_socket() -> str:
     return os.path.join(os.environ.get("LMCTL_STORE") or DEFAULT_STORE, "lmctl.sock")
 
 
+def _connect(s: socket.socket, path: str, timeout: float | None) -> None:
+    """Connect, waiting up to ``timeout`` while the daemon's queue of connections it has not
+    accepted yet is full (a flood of them): a blocking socket waits for room in the kernel,
+    but one with a timeout is told EAGAIN at once."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            s.connect(path)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(errno.ETIMEDOUT, "its queue of new connections stayed full") from None
+            time.sleep(0.002)
+
+
 class Unreachable(Exception):
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"no lmctl daemon on {path} ({why}); start one with: lmctl serve --store DIR")
@@ -77,6 +94,12 @@ class RemoteError(Exception):
         super().__init__(message)
         self.code = code
 
+    @classmethod
+    def of(cls, reply: dict[str, Any]) -> RemoteError:
+        """The error of a reply that is not ok."""
+        err = reply.get("error") or {}
+        return cls(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
+
 
 class _Closed(Exception):
     """The daemon closed the connection before answering anything."""
@@ -100,7 +123,7 @@ class Client:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout)
         try:
-            s.connect(self.path)
+            _connect(s, self.path, self.timeout)
         except FileNotFoundError:
             s.close()
             raise Unreachable(self.path, "no such socket") from None
@@ -153,6 +176,9 @@ class Client:
             try:
                 protocol.send(self._sock, {"id": rid, "cmd": cmd, "args": args or {}})
             except (BrokenPipeError, ConnectionResetError) as exc:
+                refusal = self._refusal()
+                if refusal is not None:
+                    raise refusal from None
                 raise _Closed(f"connection lost: {exc}") from None
             while True:
                 msg = protocol.read_frame(self._sock, self.timeout)
@@ -175,8 +201,7 @@ class Client:
                     if rows:
                         result["chunks"] = list(result.get("chunks") or []) + rows
                     return result
-                err = msg.get("error") or {}
-                raise RemoteError(str(err.get("code", "failed")), str(err.get("message", "unknown error")))
+                raise RemoteError.of(msg)
         except (BrokenPipeError, ConnectionResetError) as exc:
             if not heard:
                 raise _Closed(f"connection lost: {exc}") from None
@@ -192,6 +217,18 @@ class Client:
             # Ctrl-C mid-request: hang up, which cancels the daemon's job
             self.close()
             raise
+
+    def _refusal(self) -> RemoteError | None:
+        """The reply a daemon sent before it hung up without reading our request (a refused
+        peer, a busy daemon): it is still there to read after our send found the socket shut."""
+        assert self._sock is not None
+        try:
+            msg = protocol.read_frame(self._sock, 1.0)
+        except (OSError, protocol.ProtocolError):
+            return None
+        if msg is None or msg.get("ok") is not False:
+            return None
+        return RemoteError.of(msg)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -3,7 +3,9 @@
 One thread per client connection over one shared ``Store`` (thread-safe); a maintenance
 thread that keeps tiers under their high watermark and compacts dead space; clean exit on
 SIGTERM/SIGINT. The socket is mode 0600 and peers of another uid are refused (peer
-credentials), unless allowed with ``--allow-uid``; such a uid must also be able to reach
+credentials, read as the connection is accepted: a refused peer gets one reply and is hung
+up on, never taking a client slot, a thread or a wait), unless allowed with
+``--allow-uid``; such a uid must also be able to reach
 the socket (``--socket`` outside the private store folder, ``--socket-mode``,
 ``--socket-group``), which ``serve`` checks before it starts.
 """
@@ -30,10 +32,11 @@ from store import Store, StoreError
 from store.private import check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
-from .errors import Cancelled, UsageError
+from .errors import Cancelled, Denied, UsageError
 from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 from .selection import set_caller
+from .settings import check_id, maintenance_interval
 
 log = logging.getLogger("lmctl.daemon")
 
@@ -44,6 +47,8 @@ SHUTDOWN_GRACE_S = 30.0
 MAX_CLIENTS = 64
 #: a connection with no request for this long is closed (clients reconnect on their own)
 IDLE_TIMEOUT_S = 300.0
+#: a refused peer's uid is logged at most this often (a flood of them is counted, not logged)
+DENIED_LOG_EVERY_S = 60.0
 #: a reply or progress frame the client does not take in within this long ends the connection
 WRITE_TIMEOUT_S = 30.0
 #: after a request, the index's mapped pages are dropped from the daemon's memory once more
@@ -132,6 +137,20 @@ class AlreadyServing(StoreError):
 
 class NoStore(UsageError):
     """``serve`` was pointed at a folder that holds no store, without ``--init``."""
+
+
+def _refuse(conn: socket.socket, code: str, message: str) -> None:
+    """Answer a connection that will not be served with one error reply and close it, without
+    waiting: the reply is far smaller than a socket's buffer, so a non-blocking send puts it
+    there whole (or, if the peer is already gone, fails at once). The client reads it even
+    after the hang-up (``Client`` reads what arrived when its own send finds the socket shut)."""
+    try:
+        conn.setblocking(False)
+        conn.send(protocol.encode({"id": None, "ok": False, "error": {"code": code, "message": message}}))
+    except OSError:
+        pass
+    finally:
+        conn.close()
 
 
 def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.socket:
@@ -266,7 +285,8 @@ def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tup
 
         group = str(socket_group)
         try:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            numeric = group.isascii() and group.isdigit()  # "²" is a digit to isdigit, not to int
+            gid = check_id(int(group), "--socket-group") if numeric else grp.getgrnam(group).gr_gid
         except KeyError:
             raise UsageError(f"--socket-group: no group named {group!r}") from None
     return mode, gid
@@ -285,9 +305,7 @@ class Daemon:
         self.allow = {os.getuid(), *allow_uids}
         self.socket_mode = socket_mode
         self.socket_group = socket_group
-        if not maintenance_s > 0:
-            raise UsageError(f"--maintenance-interval must be a positive number of seconds, not {maintenance_s}")
-        self.maintenance_s = maintenance_s
+        self.maintenance_s = maintenance_interval(maintenance_s)
         self.init = init
         self.settings = dict(settings or {})
         self.metrics = metrics
@@ -302,6 +320,7 @@ class Daemon:
         self._store_lockfd: int | None = None
         self._conns: dict[socket.socket, Job | None] = {}
         self._conns_lock = threading.Lock()
+        self._denied: dict[int, tuple[float, int]] = {}  # uid: (last logged, refused since)
 
     def _take_lock(self) -> None:
         """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
@@ -469,12 +488,20 @@ class Daemon:
                         break
                     log.warning("accept failed: %s", exc)
                     continue
+                # who is calling, before the connection counts against the limit or costs a thread
+                try:
+                    uid = protocol.peer_uid(conn)
+                except OSError:
+                    uid = -1
+                if uid not in self.allow:
+                    self._deny(conn, uid)
+                    continue
                 threads = [x for x in threads if x.is_alive()]
                 if len(threads) >= MAX_CLIENTS:
                     self._busy_reply(conn, len(threads))
                     continue
                 conn.settimeout(WRITE_TIMEOUT_S)  # sends; reads set their own deadlines
-                t = threading.Thread(target=self._client, args=(conn,), name="lmctl-client", daemon=True)
+                t = threading.Thread(target=self._client, args=(conn, uid), name="lmctl-client", daemon=True)
                 t.start()
                 threads.append(t)
         finally:
@@ -544,19 +571,11 @@ class Daemon:
                 log.warning("maintenance failed: %s", exc)
 
     # -- one client ----------------------------------------------------------------
-    def _client(self, conn: socket.socket) -> None:
+    def _client(self, conn: socket.socket, uid: int) -> None:
+        """Serve an allowed peer (``uid``, checked at accept) until it hangs up."""
         st = self.state
+        set_caller(uid)  # every request of this connection is this uid's
         with conn:
-            try:
-                uid = protocol.peer_uid(conn)
-            except OSError:
-                uid = -1
-            if uid not in self.allow:
-                log.warning("refused a client of uid %d (allowed: %s)", uid, sorted(self.allow))
-                self._send(conn, {"id": None, "ok": False, "error": {
-                    "code": "denied", "message": f"uid {uid} may not use this daemon (peer credentials)"}})
-                self._linger(conn)
-                return
             with self._conns_lock:
                 self._conns[conn] = None
             try:
@@ -584,27 +603,25 @@ class Daemon:
 
     def _busy_reply(self, conn: socket.socket, n: int) -> None:
         """Over the connection cap: one error reply, then hang up (never a thread)."""
-        with conn:
-            conn.settimeout(1.0)
-            log.warning("refused a client: %d clients connected (the limit)", n)
-            self._send(conn, {"id": None, "ok": False, "error": {
-                "code": "failed", "message": f"the daemon is busy: {n} clients connected, the most it serves at once; "
-                                             "try again shortly"}})
+        log.warning("refused a client: %d clients connected (the limit)", n)
+        _refuse(conn, "failed", f"the daemon is busy: {n} clients connected, the most it serves at once; "
+                                "try again shortly")
 
-    @staticmethod
-    def _linger(conn: socket.socket, limit_s: float = 1.0) -> None:
-        """Before closing a refused connection, take in (and drop) what the client sends for a
-        moment: closing at once could fail its request with EPIPE/ECONNRESET before it reads
-        the reply that says why."""
-        end = time.monotonic() + limit_s
-        try:
-            conn.shutdown(socket.SHUT_WR)
-            while (left := end - time.monotonic()) > 0:
-                conn.settimeout(left)
-                if not conn.recv(65536):
-                    return
-        except OSError:
-            return
+    def _deny(self, conn: socket.socket, uid: int) -> None:
+        """A peer whose uid is not allowed: one reply without waiting, then hang up. It costs
+        the accept loop a few system calls, never a slot, a thread or a wait; the log says so
+        once a minute per uid, however fast the connections come."""
+        now = time.monotonic()
+        seen = self._denied.get(uid)
+        if seen is None or now - seen[0] >= DENIED_LOG_EVERY_S:
+            more = f" ({seen[1]} more refused since the last report)" if seen is not None and seen[1] else ""
+            log.warning("refused a client of uid %d (allowed: %s)%s", uid, sorted(self.allow), more)
+            self._denied[uid] = (now, 0)
+            if len(self._denied) > 1024:  # uids come from the kernel, but stay bounded anyway
+                self._denied = {uid: self._denied[uid]}
+        else:
+            self._denied[uid] = (seen[0], seen[1] + 1)
+        _refuse(conn, "denied", f"uid {uid} may not use this daemon (peer credentials)")
 
     def _send(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         try:
@@ -634,10 +651,6 @@ class Daemon:
         if op is None:
             return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'metrics', 'status']))}")
         job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
-        try:
-            set_caller(protocol.peer_uid(conn))
-        except OSError:
-            set_caller(-1)
         with st.lock:
             st.jobs[job.id] = job
         with self._conns_lock:
@@ -646,6 +659,8 @@ class Daemon:
             result = op(st.store, args, job)
         except UsageError as exc:
             return fail("usage", str(exc))
+        except Denied as exc:
+            return fail("denied", str(exc))
         except Cancelled as exc:
             log.info("job %d (%s) cancelled: %s", job.id, cmd, exc)
             return fail("cancelled", str(exc))

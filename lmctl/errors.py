@@ -1,7 +1,8 @@
 """Errors of the daemon's operations, shared by ops, documents and the daemon.
 
 The daemon turns them into error replies: ``UsageError`` -> code ``usage`` (exit 2),
-``Cancelled`` -> ``cancelled`` (exit 1), any other ``StoreError`` -> ``failed`` (exit 1).
+``Cancelled`` -> ``cancelled`` (exit 1), ``Denied`` -> ``denied`` (exit 1), any other
+``StoreError`` -> ``failed`` (exit 1).
 """
 
 from __future__ import annotations
@@ -16,3 +17,8 @@ class UsageError(StoreError):
 
 class Cancelled(StoreError):
     """The job was cancelled: its client went away (Ctrl-C) or the daemon is stopping."""
+
+
+class Denied(StoreError):
+    """The caller may not do this: a peer of another uid asked for what only the store's owner
+    (the daemon's user) or root may do."""

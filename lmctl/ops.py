@@ -13,6 +13,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,11 +22,12 @@ from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, S
 from store.keys import short_key
 
 from . import pinned_documents
-from .errors import Cancelled, UsageError
+from .errors import Cancelled, Denied, UsageError
 from .selection import (
     Recorded,
     Scope,
     arg,
+    caller_is_owner,
     caller_uid,
     check_conflicts,
     configured_tier,
@@ -653,9 +655,16 @@ def check_pin_budgets(store: Store, cfg: Any) -> None:
 
 def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Show the store's settings, or change some (``set``: {KEY: VALUE}), validated first."""
-    from .settings import apply_settings, settings_json
+    from .settings import apply_settings, owner_only, settings_json
 
     changes = arg(args, "set", dict, {})
+    reserved = [] if caller_is_owner() else owner_only(changes)
+    if reserved:
+        uid = caller_uid()
+        who = "a peer of unknown uid" if uid is None else f"uid {uid}"
+        raise Denied(f"{who} may not change {', '.join(reserved)}: settings that make the daemon "
+                     f"read a file or connect somewhere are for the store's owner (uid {os.geteuid()}) or root "
+                     "to change; ask them, or run lmctl config set as that user")
     if changes:
         try:
             cfg = apply_settings(store.config, changes)

@@ -11,7 +11,9 @@ the model. The CLI builds selectors (``lmctl/selectors.py``); the operations
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -20,7 +22,7 @@ from typing import Any
 
 from store import AdapterIdentity, ChunkInfo, Counts, Namespace, Store, StoreError, adapter_digest
 
-from .errors import UsageError
+from .errors import Denied, UsageError
 from .short_keys import resolve_key
 
 
@@ -34,6 +36,8 @@ def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
     if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, float)):
         want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise UsageError(f"argument {name!r} must be {want}, got {type(v).__name__}")
+    if isinstance(v, float) and not math.isfinite(v):  # JSON as Python reads it has NaN and Infinity
+        raise UsageError(f"argument {name!r} must be a finite number, not {v}")
     return v
 
 
@@ -92,12 +96,18 @@ def caller_uid() -> int | None:
     return uid if isinstance(uid, int) and uid >= 0 else None
 
 
-def _check_adapter_folder(path: str) -> None:
-    """Before hashing a folder named by a client: it must look like an adapter (few files,
-    bounded size: never a walk of /usr or /), and a client of another uid must be able to
-    read it itself (the daemon does not read files for it that it could not)."""
+def caller_is_owner() -> bool:
+    """Whether this thread's request is the store owner's (the daemon's user) or root's. A
+    request of no known peer (a call in the daemon's own process) is the owner's; a peer whose
+    credentials could not be read is not."""
     uid = getattr(_caller, "uid", None)
-    foreign = uid is not None and uid != os.geteuid()
+    return uid is None or uid in (0, os.geteuid())
+
+
+def bounded_adapter_digest(path: str) -> str:
+    """The digest of an adapter folder, hashed only if it looks like one (few files, bounded
+    size: never a walk of /usr or /). It reads with this process's rights: the CLI hashes a
+    folder its user names, and the daemon only folders its owner (or root) names."""
     entries = size = 0
     for dirpath, dirnames, filenames in os.walk(path):
         entries += len(dirnames) + len(filenames)
@@ -106,23 +116,43 @@ def _check_adapter_folder(path: str) -> None:
                              "that is not an adapter folder")
         for name in filenames:
             try:
-                st = os.stat(os.path.join(dirpath, name))
+                size += os.stat(os.path.join(dirpath, name)).st_size
             except OSError:
                 continue
-            size += st.st_size
-            if foreign and st.st_uid != uid and not st.st_mode & 0o004:
-                raise UsageError(f"--adapter {path}: uid {uid} may not read {os.path.join(dirpath, name)}")
         if size > ADAPTER_MAX_BYTES:
             raise UsageError(f"--adapter {path}: over {ADAPTER_MAX_BYTES >> 30} GiB; that is not an adapter folder")
+    try:
+        return adapter_digest(path)
+    except OSError as exc:
+        raise UsageError(f"--adapter {path}: cannot read {exc.filename or path}: {exc.strerror}") from None
+    except StoreError as exc:
+        raise UsageError(f"--adapter: {exc}") from None
 
 
-def _resolve_adapter(spec: str, recorded: list[Recorded]) -> AdapterIdentity:
+def _folder_digest(path: str, args: dict[str, Any]) -> str:
+    """The digest of the adapter folder a request names: the one its client computed
+    (``adapter_digest``), else, for the owner or root only, hashed here. The daemon never
+    reads a folder for another uid: its own rights are not that peer's (a symlink there to a
+    file in a folder the peer cannot enter would be read all the same)."""
+    given = arg(args, "adapter_digest", str)
+    if given is not None:
+        if not re.fullmatch(r"[0-9a-f]{32}", given):
+            raise UsageError("argument 'adapter_digest' must be an adapter digest (32 hex digits)")
+        return given
+    if not caller_is_owner():
+        uid = caller_uid()
+        raise Denied(f"--adapter {path}: the daemon reads no folder for {'a peer' if uid is None else f'uid {uid}'} "
+                     "(its rights are not the caller's); give NAME@DIGEST, or use an lmctl that hashes the "
+                     "folder itself and sends its digest")
+    if not os.path.isdir(path):
+        raise UsageError(f"--adapter {path}: no such folder (give NAME, NAME@DIGEST or the adapter's folder)")
+    return bounded_adapter_digest(path)
+
+
+def _resolve_adapter(spec: str, recorded: list[Recorded], args: dict[str, Any]) -> AdapterIdentity:
     if _is_path(spec):
         path = os.path.abspath(os.path.expanduser(spec))
-        if not os.path.isdir(path):
-            raise UsageError(f"--adapter {spec}: no such folder (give NAME, NAME@DIGEST or the adapter's folder)")
-        _check_adapter_folder(path)
-        digest = adapter_digest(path)
+        digest = _folder_digest(path, args)
         for r in recorded:
             if r.ns.adapter is not None and r.ns.adapter.digest == digest:
                 return r.ns.adapter
@@ -186,7 +216,7 @@ def _doc_namespaces(store: Store, args: dict[str, Any]) -> tuple[list[Namespace]
     _check_model(recorded, model)
     mine = [r for r in recorded if _model_matches(r, model)]
     adapter_spec = arg(args, "adapter", str)
-    adapter = None if adapter_spec is None else _resolve_adapter(adapter_spec, mine)
+    adapter = None if adapter_spec is None else _resolve_adapter(adapter_spec, mine, args)
     salt = arg(args, "salt", str)
     formats: dict[str, Namespace] = {}
     info: dict[str, Any] = {}
@@ -225,7 +255,13 @@ def select(store: Store, args: dict[str, Any], *, need: bool = True) -> Selectio
 
         check_document(doc)
         nss, info = _doc_namespaces(store, args)
-        source = arg(args, "tokenizer", str) or info.get("tokenizer")
+        chosen = arg(args, "tokenizer", str)
+        if chosen and chosen != info.get("tokenizer") and not caller_is_owner():
+            # loading one reads a folder or downloads, with the daemon's rights: the owner's call
+            raise Denied(f"--tokenizer {chosen}: the daemon loads only the tokenizer the engine recorded for "
+                         "another uid's requests; leave --tokenizer out, or give the document as token ids "
+                         "(--tokens FILE)")
+        source = chosen or info.get("tokenizer")
         if not source and "tokens" not in doc:
             raise UsageError("no tokenizer recorded for this model; pass --tokenizer PATH or --tokens FILE")
         tokens = tokenize(doc, source or "", info.get("tokenizer_revision"))
@@ -289,7 +325,7 @@ def namespace_filter(recorded: list[Recorded], args: dict[str, Any]) -> Namespac
     _check_model(recorded, model)
     if model is None and adapter_spec is None and not base:
         return None
-    adapter = _resolve_adapter(adapter_spec, recorded) if adapter_spec else None
+    adapter = _resolve_adapter(adapter_spec, recorded, args) if adapter_spec else None
     mine = [r for r in recorded if _model_matches(r, model)]
     return NamespaceFilter({r.ns.model for r in mine}, adapter, base,
                            [r.nid for r in mine if (not base or r.ns.adapter is None)

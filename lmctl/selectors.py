@@ -119,12 +119,30 @@ def _read(path: str, what: str) -> str:
         raise CommandError("usage", f"{what} {path} is not UTF-8 text (a binary file?)") from None
 
 
+def _names_folder(a: str) -> bool:
+    return os.sep in a or a in (".", "..") or a.startswith("~")
+
+
 def adapter_spec(a: str) -> str:
     """``--adapter``: a name stays a name (even if a folder of that name is here); only a
     path (it has a slash) is a folder, sent to the daemon as an absolute path."""
-    if os.sep in a or a in (".", "..") or a.startswith("~"):
-        return os.path.abspath(os.path.expanduser(a))
-    return a
+    return os.path.abspath(os.path.expanduser(a)) if _names_folder(a) else a
+
+
+def _folder_digest(path: str) -> str:
+    """An adapter folder's digest, computed here with the caller's own rights (the daemon
+    reads no folder for another user: it gets the digest)."""
+    if not os.path.isdir(path):
+        raise CommandError("usage", f"--adapter {path}: no such folder (give NAME, NAME@DIGEST or the adapter's "
+                                    "folder)")
+    from store import StoreError
+
+    from .selection import bounded_adapter_digest
+
+    try:
+        return bounded_adapter_digest(path)
+    except StoreError as exc:
+        raise CommandError("usage", str(exc)) from None
 
 
 def check_key(text: str) -> str:
@@ -190,6 +208,8 @@ def build_selector(v: dict[str, Any]) -> dict[str, Any]:
         raise CommandError("usage", "--base and --adapter contradict each other: give one")
     if v.get("adapter") is not None:
         out["adapter"] = adapter_spec(v["adapter"])
+        if _names_folder(v["adapter"]):
+            out["adapter_digest"] = _folder_digest(out["adapter"])
     if v.get("base"):
         out["base"] = True
     if v.get("pinned") is not None:

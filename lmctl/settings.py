@@ -10,8 +10,10 @@ validated on a copy of the settings; nothing is applied unless all of it is vali
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
@@ -27,20 +29,81 @@ TIER_KEYS = ("capacity", "path", "pin_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
+#: settings that make the daemon read a file or connect somewhere, or that lower what it
+#: checks: only the store's owner (the daemon's user) or root may change them through the
+#: daemon (``fnmatch`` patterns; names of settings other versions have are kept too)
+OWNER_ONLY = ("remote.url", "remote.password_file", "remote.secret_file", "remote.previous_secret_file",
+              "remote.trust", "remote.encrypt", "tiers.*.path")
 #: daemon settings a config file may hold (not recorded in the store)
 DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group",
                "metrics")
 
-def _duration(value: Any, name: str) -> float:
-    """Seconds: a number (TOML) or a duration like ``"12h"``."""
+#: the range each duration setting accepts, in seconds: beyond it a value is a mistake (a
+#: maintenance pass every nanosecond burns a core; an infinite timeout is no timeout)
+DURATION_BOUNDS = {
+    "maintenance_interval": (0.1, 7 * 86400.0),
+    "access_flush_s": (0.1, 3600.0),
+    "retire_after_s": (0.0, 3650 * 86400.0),
+    "compress_cold_after_s": (0.0, 3650 * 86400.0),
+    "remote.lookup_timeout_s": (0.001, 60.0),
+    "remote.io_timeout_s": (0.01, 600.0),
+}
+#: the range of the other numbers that have one (segment and piece sizes in bytes, a ratio)
+NUMBER_BOUNDS = {
+    "segment_bytes": (64 << 10, 1 << 40, "64KiB to 1TiB"),
+    "remote.piece_bytes": (64 << 10, 512 << 20, "64KiB to 512MiB"),  # a Redis value holds at most 512 MiB
+    "compact_dead_ratio": (0.01, 1.0, "0.01 to 1"),
+}
+
+
+def shown(value: Any) -> str:
+    """A value as an error message quotes it: never a 400-digit number in full."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _duration(value: Any, name: str, label: str | None = None) -> float:
+    """Seconds: a number (TOML) or a duration like ``"12h"``, within ``DURATION_BOUNDS``
+    (``label``: the setting's name as the operator wrote it, when not ``name``)."""
+    label = label or name
     if isinstance(value, bool):
-        raise StoreError(f"{name} {value!r} is not a duration like 90s, 30m, 12h or 7d")
+        raise StoreError(f"{label} {value!r} is not a duration like 90s, 30m, 12h or 7d")
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            secs = float(value)
+        except OverflowError:
+            secs = float("inf")
+    else:
+        try:
+            secs = parse_duration(str(value))
+        except ValueError as exc:
+            raise StoreError(f"{label}: {exc}") from None
+    lo, hi = DURATION_BOUNDS.get(name, (0.0, float("inf")))
+    if not lo <= secs <= hi:  # NaN fails too
+        raise StoreError(f"{label} {shown(value)} is out of range: give {_seconds(lo)} to {_seconds(hi)}")
+    return secs
+
+
+def _seconds(s: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n and s % n == 0:
+            return f"{s / n:g}{unit}"
+    return f"{s:g}s"
+
+
+def maintenance_interval(value: Any, label: str = "--maintenance-interval") -> float:
+    """``--maintenance-interval`` (or ``[daemon] maintenance_interval``), checked."""
     try:
-        return parse_duration(str(value))
-    except ValueError as exc:
-        raise StoreError(f"{name}: {exc}") from None
+        return _duration(value, "maintenance_interval", label)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _bounded(n: Any, name: str) -> Any:
+    lo, hi, text = NUMBER_BOUNDS[name]
+    if not lo <= n <= hi:
+        raise StoreError(f"{name} {shown(n)} is out of range: give {text}")
+    return n
 
 
 def _text(value: Any, name: str) -> str:
@@ -67,12 +130,12 @@ def _number(value: Any, name: str, kind: type = float) -> Any:
     try:
         n = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise StoreError(f"{name} must be a number, not {value!r}") from None
+        raise StoreError(f"{name} must be a finite number, not {shown(value)}") from None
     if n != n or n in (float("inf"), float("-inf")):
-        raise StoreError(f"{name} must be a finite number, not {value!r}")
+        raise StoreError(f"{name} must be a finite number, not {shown(value)}")
     if kind is int:
         if n != int(n):
-            raise StoreError(f"{name} must be a whole number, not {value!r}")
+            raise StoreError(f"{name} must be a whole number, not {shown(value)}")
         if isinstance(value, int):
             return value
         try:  # a whole number as written, not as a float rounded it
@@ -107,28 +170,43 @@ def _read_store_key(key: str, value: Any) -> Any:
     if key == "default_tier":
         return str(value)
     if key == "segment_bytes":
-        return parse_unit_size(value, key)
+        return _bounded(parse_unit_size(value, key), key)
     if key == "fsync":
         return _bool(value, key)
     if key in ("access_flush_s", "retire_after_s", "compress_cold_after_s"):
-        secs = _duration(value, key)
-        if secs < 0:
-            raise StoreError(f"{key} must not be negative")
-        return secs
+        return _duration(value, key)
     if key == "event_log_max":
         n = _number(value, key, int)
         if not 1 <= n <= EVENT_LOG_MAX:
             raise StoreError(f"event_log_max must be between 1 and {EVENT_LOG_MAX} (events the store's event log "
                              "keeps)")
         return n
-    return _number(value, key)  # low_watermark, compact_dead_ratio: validate() checks ranges
+    if key == "compact_dead_ratio":
+        return _bounded(_number(value, key), key)
+    return _number(value, key)  # low_watermark: validate() checks its range
 
 
-def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConfig:
+def owner_only(names: Iterable[str]) -> list[str]:
+    """The settings among ``names`` that only the store's owner or root may change."""
+    return sorted(n for n in map(str, names) if any(fnmatch.fnmatchcase(n, p) for p in OWNER_ONLY))
+
+
+def check_values(changes: Mapping[str, Any]) -> None:
+    """Refuse any change whose name or value is wrong whatever the store (``StoreError``), as
+    ``serve`` does before it opens or creates a store. Whether the settings fit together is
+    known only once the store's own are: ``apply_settings`` checks that."""
+    apply_settings(StoreConfig(), {k.replace("tiers.@default.", "tiers.nvme."): v for k, v in changes.items()},
+                   whole=False)
+
+
+def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bool = True) -> StoreConfig:
     """A validated copy of ``config`` with ``changes`` ({dotted name: value}) applied.
-    Naming a tier that is not configured adds it (its capacity is then required)."""
+    Naming a tier that is not configured adds it (its capacity is then required). Without
+    ``whole``, each value is checked but not the settings as a whole."""
     cfg = StoreConfig.from_json(config.to_json())
     for name, value in changes.items():
+        if "\0" in str(name) or "\0" in str(value):
+            raise StoreError(f"setting {shown(str(name))}: a NUL character is in its name or value; remove it")
         parts = str(name).split(".")
         if len(parts) == 1 and parts[0] in STORE_KEYS:
             setattr(cfg, parts[0], _read_store_key(parts[0], value))
@@ -142,7 +220,10 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConf
             if field == "capacity":
                 t.capacity = parse_capacity(value, name)
             elif field == "path":
-                t.path = str(value) or None
+                if not isinstance(value, str) or (value and not os.path.isabs(value)):
+                    raise StoreError(f"{name} {shown(value)} must be an absolute folder path (the daemon's "
+                                     "working folder is not yours)")
+                t.path = value or None
             else:
                 t.pin_budget = _pin_budget(value, name)
         elif len(parts) == 2 and parts[0] == "remote" and parts[1] in REMOTE_KEYS:
@@ -151,6 +232,8 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any]) -> StoreConf
             raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)}, "
                              f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)}) and "
                              f"remote.{{{','.join(REMOTE_KEYS)}}}")
+    if not whole:
+        return cfg
     if cfg.remote is not None and not cfg.remote.url:
         raise StoreError("the remote tier needs remote.url (redis://HOST:PORT/DB, rediss://... or unix:///PATH)")
     cfg.validate()
@@ -166,17 +249,18 @@ def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
     r = cfg.remote
     if field in ("url", "key_prefix", "write"):
         setattr(r, field, str(value))
-    elif field in ("password_file", "secret_file", "previous_secret_file", "trust"):
+    elif field in ("password_file", "secret_file", "previous_secret_file"):
+        if not isinstance(value, str) or (value and value.lower() != "none" and not os.path.isabs(value)):
+            raise StoreError(f"{name} {shown(value)} must be an absolute file path")
         setattr(r, field, _text(value, name) or None)  # "" (or "none") removes it
+    elif field == "trust":
+        setattr(r, field, _text(value, name) or None)
     elif field in ("promote", "encrypt"):
         setattr(r, field, _bool(value, name))
     elif field == "piece_bytes":
-        r.piece_bytes = parse_unit_size(value, name)
+        r.piece_bytes = _bounded(parse_unit_size(value, name), name)
     else:
-        secs = _duration(value, name)
-        if secs <= 0:
-            raise StoreError(f"{name} must be positive")
-        setattr(r, field, secs)
+        setattr(r, field, _duration(value, name))
 
 
 def settings_json(config: StoreConfig) -> dict[str, Any]:
@@ -216,15 +300,23 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise StoreError(f"cannot read config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise StoreError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise StoreError(f"config file {path} nests arrays or tables too deeply to be a config file") from None
     unknown = sorted(set(doc) - {"daemon", "store", "tiers", "remote"})
     if unknown:
         raise StoreError(f"config file {path}: unknown table(s) {', '.join(unknown)}; "
                          "tables are [daemon], [store], [tiers.NAME] and [remote]")
+    for table in ("daemon", "store", "tiers", "remote"):
+        if not isinstance(doc.get(table) or {}, dict):
+            raise StoreError(f"config file {path}: {table} must be a table ([{table}]), not {shown(doc[table])}")
     daemon = dict(doc.get("daemon") or {})
     bad = sorted(set(daemon) - set(DAEMON_KEYS))
     if bad:
         raise StoreError(f"config file {path}: unknown [daemon] setting(s) {', '.join(bad)}; "
                          f"known: {', '.join(DAEMON_KEYS)}")
+    for key, v in daemon.items():
+        if isinstance(v, str) and "\0" in v:
+            raise StoreError(f"config file {path}: [daemon] {key} holds a NUL character; remove it")
     for key, kinds, what in (("store", (str,), "a folder path"), ("socket", (str,), "a socket path"),
                              ("log_level", (str,), "debug, info, warning or error"),
                              ("socket_mode", (str,), 'an octal mode in quotes ("0660")'),
@@ -233,15 +325,39 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
                              ("maintenance_interval", (int, float), "a number of seconds")):
         v = daemon.get(key)
         if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
-            raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {v!r}")
+            raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {shown(v)}")
     uids = daemon.get("allow_uid")
     if uids is not None and (not isinstance(uids, list) or not all(
             isinstance(u, int) and not isinstance(u, bool) for u in uids)):
-        raise StoreError(f"config file {path}: [daemon] allow_uid must be a list of uids (integers), not {uids!r}")
-    changes = flatten(doc.get("store") or {})
-    changes.update(flatten({"tiers": doc.get("tiers") or {}}))
-    changes.update(flatten({"remote": doc.get("remote") or {}}))
+        raise StoreError(f"config file {path}: [daemon] allow_uid must be a list of uids (integers), "
+                         f"not {shown(uids)}")
+    try:
+        for u in uids or []:
+            check_id(u, "allow_uid")
+        if isinstance(daemon.get("socket_group"), int):
+            check_id(daemon["socket_group"], "socket_group")
+        if daemon.get("maintenance_interval") is not None:
+            maintenance_interval(daemon["maintenance_interval"], "maintenance_interval")
+    except StoreError as exc:
+        raise StoreError(f"config file {path}: [daemon] {exc}") from None
+    try:
+        changes = flatten(doc.get("store") or {})
+        changes.update(flatten({"tiers": doc.get("tiers") or {}}))
+        changes.update(flatten({"remote": doc.get("remote") or {}}))
+    except RecursionError:
+        raise StoreError(f"config file {path} nests tables too deeply to be a config file") from None
     return daemon, changes
+
+
+#: the largest uid or gid (2**32 - 1 is (uid_t) -1: "no id")
+MAX_ID = 2**32 - 2
+
+
+def check_id(value: int, what: str) -> int:
+    """A uid or gid (``what`` names it), within what the kernel takes."""
+    if not 0 <= value <= MAX_ID:
+        raise UsageError(f"{what} {shown(value)} is not a uid or gid (0 to {MAX_ID})")
+    return value
 
 
 def _pairs(values: list[str] | None, flag: str, default_key: str | None = None) -> list[tuple[str, str]]:
@@ -274,7 +390,7 @@ def serve_settings(config: str | None, *, capacity: list[str] | None = None, tie
         except StoreError as exc:
             raise UsageError(str(exc)) from None
     for tier, val in _pairs(tier_path, "--tier-path"):
-        store[f"tiers.{tier}.path"] = val
+        store[f"tiers.{tier}.path"] = os.path.abspath(val)  # serve runs where its operator is
     for tier, val in _pairs(capacity, "--capacity", "@default"):
         store[f"tiers.{tier}.capacity"] = val
     for tier, val in _pairs(pin_budget, "--pin-budget", "@default"):
@@ -287,4 +403,8 @@ def serve_settings(config: str | None, *, capacity: list[str] | None = None, tie
         store["remote.url"] = remote
     for k, val in _pairs(settings, "--set"):
         store[k] = val
+    try:
+        check_values(store)  # before any store is opened or made
+    except StoreError as exc:
+        raise UsageError(f"bad store setting: {exc}") from None
     return daemon, store

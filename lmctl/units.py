@@ -35,5 +35,5 @@ def parse_duration(text: str, unit_required: bool = False) -> float:
         raise ValueError(f"{text!r} is not a duration like {EXAMPLES}: give each unit once, the largest first")
     seconds = sum(float(n) * SECONDS[u] for n, u in parts)
     if not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is too long a duration")
+        raise ValueError(f"{text.strip()[:40]!r} is too long a duration")
     return seconds

@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
 import secrets
@@ -57,6 +58,8 @@ from .private import FILE_MODE, SAFE_OPEN, UnsafePath, check_folder, file_proble
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+log = logging.getLogger("lmctl.store")
 
 ALIGN = 4096
 PIECE = 8 << 20  # writes: pipelining granularity for large transfers
@@ -97,6 +100,17 @@ def is_aligned(view: memoryview) -> bool:
     if len(view) == 0:
         return False
     return bool(np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0)
+
+
+def header_problem(head: bytes) -> str | None:
+    """Why a segment file's first bytes rule it out as a segment this lmctl reads, or None."""
+    magic, version, _seg_id, _created, _store = _SEGMENT_HEADER.unpack_from(head, 0)
+    if magic != SEG_MAGIC:
+        return "not an lmctl segment (its header has no segment magic)"
+    if version != SEG_VERSION:
+        return (f"segment format {version}, which this lmctl (format {SEG_VERSION}) does not read"
+                + ("; use a newer lmctl" if version > SEG_VERSION else ""))
+    return None
 
 
 def segment_name(seg_id: int) -> str:
@@ -516,7 +530,12 @@ class SegmentIO:
         append) is skipped. The caller verifies payload checksums. Only a file of this store
         is read (``open_own``; ``ForeignSegment`` otherwise).
         """
+        path = self.path(seg_id)
         with open(self.open_own(seg_id), "rb", buffering=0) as f:
+            why = header_problem(os.pread(f.fileno(), _SEGMENT_HEADER.size, 0))
+            if why is not None:  # its records may mean something else: none is taken
+                log.warning("skipped segment file %s: %s", path, why)
+                return
             end = os.fstat(f.fileno()).st_size if size is None else min(size, os.fstat(f.fileno()).st_size)
             start = ALIGN  # after the segment header
             pos = ALIGN

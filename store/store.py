@@ -23,6 +23,7 @@ Rules that keep it correct with several processes on one store:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -42,7 +43,7 @@ from .explain import explain_miss
 from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
-from .keys import Namespace, NamespaceRecord, prefix_ids
+from .keys import KEY_BYTES, Namespace, NamespaceRecord, prefix_ids, short_key
 from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
@@ -61,7 +62,7 @@ from .private import (
 )
 from .reads import Reads
 from .recovery import Recovery
-from .segment import SegmentIO
+from .segment import REC_FIXED, TRAILER_BLOCK, SegmentIO
 from .sharing import Sharing, writer_id
 from .space import Space, TierState
 from .types import (
@@ -79,7 +80,7 @@ from .types import (
     StoreStats,
     TierStats,
 )
-from .writes import Writes
+from .writes import Writes, record_meta
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -288,6 +289,8 @@ class Store:
             return None
 
         def promote(items: list[PutItem]) -> list[bool]:
+            for it in items:  # a head's layout and tokens are the server's word: checked as a caller's
+                _check_put(it)
             return self._writes.put_many(items, share=False)
 
         return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path))
@@ -443,13 +446,13 @@ class Store:
         if self.readonly:
             with self._index.read() as t:
                 raw = t.raw.get(b"config", db=meta)
+                self._check_format(t.raw.get(b"format_version", db=meta))
             return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
 
         def load(t: Txn) -> tuple[StoreConfig, bool]:
             raw = t.raw.get(b"config", db=meta)
             ver = t.raw.get(b"format_version", db=meta)
-            if ver is not None and int(ver) not in FORMATS:
-                raise StoreError(f"store format {int(ver)} is not supported by this lmctl ({FORMAT_VERSION})")
+            self._check_format(ver)
             if ver is None:
                 # a new index is of this format; one with chunks but no mark is of the first
                 fresh = t.raw.stat(self._index.chunks)["entries"] == 0
@@ -465,6 +468,23 @@ class Store:
         if written:
             self._journal_add("config", config=cfg.to_json())
         return cfg
+
+    def _check_format(self, raw: bytes | memoryview | None) -> int | None:
+        """The index's format version (None: not marked yet), if this lmctl opens it: a newer
+        one is refused before anything is read the way this version would misread it."""
+        if raw is None:
+            return None
+        try:
+            ver = int(bytes(raw))
+        except ValueError:
+            raise StoreError(f"store {self.path}: its format version {bytes(raw)[:20]!r} is not a number; the "
+                             "index is damaged or not an lmctl index (restore it, or move it aside to rebuild it "
+                             "from the segment files)") from None
+        if ver not in FORMATS:
+            raise StoreError(f"store {self.path} is of format {ver}, which this lmctl (format {FORMAT_VERSION}) "
+                             "does not open" + ("; use the lmctl that wrote it, or a newer one"
+                                                if ver > FORMAT_VERSION else ""))
+        return ver
 
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
@@ -513,8 +533,8 @@ class Store:
     def format_version(self) -> int:
         """The format of the index (1: written before the counts were kept)."""
         with self._index.read() as t:
-            raw = t.raw.get(b"format_version", db=self._index.meta)
-        return int(raw) if raw is not None else 1
+            ver = self._check_format(t.raw.get(b"format_version", db=self._index.meta))
+        return 1 if ver is None else ver
 
     def _index_is_new(self) -> bool:
         with self._index.read() as t:
@@ -605,6 +625,8 @@ class Store:
         of it is stored); ``ReadOnlyError`` when the store is read-only (``readonly``; the
         refused chunks are counted in ``refused_saves``).
         """
+        for it in items:  # before anything is reserved or written: nothing of the batch then
+            _check_put(it)
         t0 = time.perf_counter()
         try:
             if self.readonly:
@@ -1033,3 +1055,31 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _check_put(it: PutItem) -> None:
+    """Refuse a chunk no record can hold (``StoreError`` saying what is wrong), before any of
+    its batch is written: the trailer's fields are fixed-width and it is one 4 KiB block."""
+    if not isinstance(it.key, bytes) or len(it.key) != KEY_BYTES:
+        raise StoreError(f"a chunk key must be {KEY_BYTES} bytes, not {type(it.key).__name__} of length "
+                         f"{len(it.key) if isinstance(it.key, (bytes, str)) else '?'}")
+    what = f"chunk {short_key(it.key)}…"
+    try:
+        memoryview(it.data)
+    except TypeError:
+        raise StoreError(f"{what}: its data must be a bytes-like buffer, not {type(it.data).__name__}") from None
+    if isinstance(it.tokens, bool) or not isinstance(it.tokens, int) or not 0 <= it.tokens < 2**32:
+        raise StoreError(f"{what}: tokens must be a whole number from 0 to 2**32 - 1, not {it.tokens!r:.40}")
+    if not isinstance(it.layout, dict) or not isinstance(it.layout.get("dtype", ""), str):
+        raise StoreError(f"{what}: its layout must be a dict whose dtype is a name (such as 'bfloat16')")
+    if it.prefix is not None and (not isinstance(it.prefix, bytes) or len(it.prefix) != 16):
+        raise StoreError(f"{what}: a token prefix id is 16 bytes (one of Store.prefix_ids)")
+    if it.codec is not None and not isinstance(it.codec, str):
+        raise StoreError(f"{what}: codec must be a codec's name, not {type(it.codec).__name__}")
+    try:
+        meta = json.dumps(record_meta(it), separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:  # ValueError: NaN or infinity, which JSON has no words for
+        raise StoreError(f"{what}: its layout must be JSON of strings and finite numbers ({exc})") from None
+    room = TRAILER_BLOCK - REC_FIXED - KEY_BYTES
+    if len(meta) > room:
+        raise StoreError(f"{what}: its layout and token count take {len(meta)} bytes of JSON, more than the "
+                         f"{room} a record's trailer holds; keep the layout to dtype and shape")

@@ -205,11 +205,7 @@ class Writes:
                 if slot is None:
                     continue
                 seg, off, fd = slot
-                meta: dict[str, Any] = {"layout": p.layout, "tokens": p.item.tokens}
-                if p.item.prefix:  # so that a rebuilt index knows it too
-                    meta["prefix"] = p.item.prefix.hex()
-                if p.item.origin is not None:  # likewise
-                    meta["origin"] = {"tier": p.item.origin.tier, "writer": p.item.origin.writer}
+                meta = record_meta(p.item)
                 # hashing this record overlaps the disk writes of the previous ones
                 pw = st.io.start_write(fd, off, p.stored, functools.partial(
                     encode_trailer, p.item.key, p.codec, meta, p.stored_len, len(p.raw), created=p.created))
@@ -334,6 +330,16 @@ class Writes:
                 out.bytes_after += new.stored_bytes if new else 0
                 return "chunks"
         return "skipped"
+
+
+def record_meta(item: PutItem) -> dict[str, Any]:
+    """What a record's trailer says of its chunk besides the key (JSON)."""
+    meta: dict[str, Any] = {"layout": dict(item.layout), "tokens": item.tokens}
+    if item.prefix:  # so that a rebuilt index knows it too
+        meta["prefix"] = item.prefix.hex()
+    if item.origin is not None:  # likewise
+        meta["origin"] = {"tier": item.origin.tier, "writer": item.origin.writer}
+    return meta
 
 
 def _encoding(e: Entry) -> tuple[int, int, int, int, int]:

@@ -19,6 +19,10 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
 * frames: malformed frames of every kind against a real daemon, then a connection flood;
   the daemon answers or hangs up, never dies, keeps its thread count bounded, and stops
   promptly on SIGTERM.
+* daemon-abuse: a second uid floods the socket with refused connections while an allowed
+  third uid tries every owner-only setting (a root-only password file sent to her listener,
+  tier paths, adapter folders, tokenizers); the owner's calls all succeed, hers are all
+  refused, the daemon's thread count stays put and it stops cleanly (root only).
 * concurrent: clients (lookup, ls, inspect, pin, unpin, compress) with a writer process and
   the daemon's maintenance running, ending with verify --deep.
 * hostile-folders: a second local user plants FIFOs, links to a root-only file and a forged
@@ -488,6 +492,7 @@ def main() -> int:
         ("full-disk", lambda w: scenario_full_disk(w, 2 if q else 8)),
         ("index", lambda w: scenario_index(w, 6 if q else 30)),
         ("frames", lambda w: scenario_frames(w, 1000 if q else 10000)),
+        ("daemon-abuse", lambda w: topic("daemon_abuse")(w, 2 if q else 20)),
         ("concurrent", lambda w: scenario_concurrent(w, 15 if q else 60)),
         ("hostile-folders", lambda w: topic("hostile_folders")(w, 2 if q else 20)),
         ("power-cut", lambda w: topic("power_cut")(w, 2 if q else 30)),
