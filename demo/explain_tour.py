@@ -141,10 +141,11 @@ class Demo:
         """Run ``lmctl ARGS`` in the work folder and print it as a terminal would
         (``keep``: "all", "summary" for a lookup without its chunk table, "last" for the
         last line only)."""
-        print(f"$ lmctl {shlex.join(args)}", flush=True)
+        here = str(self.work) + os.sep  # shown as ./ : the commands run in the work folder
+        print(f"$ lmctl {shlex.join(args).replace(here, './')}", flush=True)
         res = subprocess.run([sys.executable, "-m", "lmctl.cli", *args], cwd=self.work, env=self.env,
                              capture_output=True, text=True, timeout=120)
-        out = res.stdout + res.stderr
+        out = (res.stdout + res.stderr).replace(here, "./")
         lines = out.splitlines()
         if keep == "summary" and not res.returncode:  # a lookup: its two first lines and its why
             head = lines[:2]
@@ -355,8 +356,8 @@ def tour(d: Demo) -> None:
         url = d.start_redis()
         print(f"$ redis-server --port {d.redis_port} --save '' --appendonly no &")
         d.lmctl("remote", "secret", "remote.secret")
-        # a path relative to the daemon's folder (the work folder), so no temporary path is shown
-        d.lmctl("config", "set", f"remote.url={url}", "remote.secret_file=remote.secret", keep="last")
+        # settings that name a file take an absolute path (shown relative to the work folder)
+        d.lmctl("config", "set", f"remote.url={url}", f"remote.secret_file={d.work / 'remote.secret'}", keep="last")
         d.lmctl("move", "--to", "remote", "--model", "smol", "--tokens", minutes)
         d.lmctl("lookup", "--model", "smol", "--tokens", minutes, keep="summary")
         d.say("the redis-server stops")

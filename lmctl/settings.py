@@ -250,9 +250,10 @@ def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
     if field in ("url", "key_prefix", "write"):
         setattr(r, field, str(value))
     elif field in ("password_file", "secret_file", "previous_secret_file"):
-        if not isinstance(value, str) or (value and value.lower() != "none" and not os.path.isabs(value)):
+        path = _text(value, name) or None  # "" (or "none") removes it
+        if path is not None and not os.path.isabs(path):
             raise StoreError(f"{name} {shown(value)} must be an absolute file path")
-        setattr(r, field, _text(value, name) or None)  # "" (or "none") removes it
+        setattr(r, field, path)
     elif field == "trust":
         setattr(r, field, _text(value, name) or None)
     elif field in ("promote", "encrypt"):

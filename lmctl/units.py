@@ -25,7 +25,8 @@ def parse_duration(text: str, unit_required: bool = False) -> float:
     t = text.strip().lower().replace(" ", "")
     if _BARE.fullmatch(t):
         if unit_required:
-            raise ValueError(f"{text.strip()!r} has no unit: write {t}d, {t}h, {t}m or {t}s")
+            n = t if len(t) <= 20 else t[:12] + "..."
+            raise ValueError(f"{n!r} has no unit: write {n}d, {n}h, {n}m or {n}s")
         return float(t)
     parts = _PART.findall(t)
     units = [u for _n, u in parts]

@@ -189,7 +189,7 @@ def test_an_allowed_peer_cannot_make_the_daemon_send_a_root_only_file_to_her_lis
         got = as_user(user, call, sock, "config", {"set": {"codec_level": 3}})
         assert got.get("ok") and got["ok"]["settings"]["codec_level"] == 3, got
         # and the owner changes any of them
-        r = cj(allowed, "config", "set", f"remote.url=redis://127.0.0.1:{listener.port}/0")
+        r = cj(allowed, "config", "set", f"remote.url=redis://127.0.0.1:{listener.port}/0", "remote.trust=all-writers")
         assert r["settings"]["remote"]["url"].startswith("redis://127.0.0.1")
     finally:
         listener.close()

@@ -224,8 +224,10 @@ def test_numbers_a_request_cannot_mean_are_usage_errors(daemon: Daemon) -> None:
             assert got.value.code == "usage" and "finite" in str(got.value), (cmd, got.value)
     finally:
         c.close()
-    r = cli(daemon, "ls", "--older-than", "9" * 400)
+    r = cli(daemon, "ls", "--older-than", "9" * 400 + "d")
     one_usage_line(r, "too long a duration")
+    r = cli(daemon, "ls", "--older-than", "9" * 400)  # no unit: said without echoing 400 digits back
+    assert len(one_usage_line(r, "has no unit")) < 200
 
 
 # -- the store's own versions ----------------------------------------------------------------------
