@@ -19,8 +19,9 @@ the same bytes) through each of:
          into the buffer, the whole verified), ``piece_bytes`` = each of --pieces; without a
          secret (``trust="all-writers"``: xxh3 checksums only, as before values were
          authenticated)
-  auth   the same with a deployment secret: the head and the payload under keyed BLAKE3
-         MACs (computed by put; by get as the pieces land, not in a second pass)
+  auth   the same with a deployment secret: the head under a keyed BLAKE3 MAC, the
+         payload under GMAC with a key of its own (computed by put; by get as the pieces
+         land, not in a second pass)
   enc    the same with ``encrypt=True`` too: every piece AES-256-GCM, decrypted in place as
          it lands
   plain  redis-py on the same bytes: per chunk, one pipeline (no transaction) of SETs of the
@@ -417,7 +418,7 @@ def report(result: dict[str, Any], say: Callable[[str], None] = print) -> None:
             row += "".join(f"{cpu[f'{m}_p{p}_get']:>8.3f}" for m in ("tier", *MODE_GOALS))
             say(f"{label:<18}{f'{p} MiB':>6}{row}")
             label = ""
-    say("(auth: with a deployment secret, values under keyed BLAKE3 MACs; enc: and AES-256-GCM pieces; "
+    say("(auth: with a deployment secret, heads under keyed BLAKE3, payloads under GMAC; enc: and AES-256-GCM pieces; "
         "x tier: median of the per-round ratio to the tier without a secret at the same piece size; get cpu: the "
         "client's CPU time per byte read, medians)")
     for name, s in result["shapes"].items():

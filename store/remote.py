@@ -3,7 +3,7 @@
 Several engine instances on several machines share chunks through one server. This module is
 self-contained: it stores and fetches the *stored* bytes of a chunk (already encoded by the
 caller's codec) with their metadata, and verifies them; decoding, the index and the choice of
-tier stay with the caller. It needs redis-py, blake3 and, to encrypt, cryptography
+tier stay with the caller. It needs redis-py, blake3 and, with a secret, cryptography
 (``pip install 'lmctl[remote]'``).
 
 API::

@@ -11,6 +11,7 @@ as they land) and gives the verdict. store/remote.py, the client, does the talki
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import queue
@@ -203,7 +204,7 @@ class Read:
             want = self.head.check if self.head.mode != MODE_PLAIN else self.head.check[:8]
             if self.missing:
                 self.kind, self.problem = "missing", f"{self.missing} of {self.head.piece_count} pieces are gone"
-            elif self.check.digest() != want:
+            elif not hmac.compare_digest(self.check.digest(), want):
                 self.kind = "torn" if self.head.mode == MODE_PLAIN else "forged"
                 self.problem = "the payload fails its " + ("checksum" if self.head.mode == MODE_PLAIN else "MAC")
             else:

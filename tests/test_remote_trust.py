@@ -569,3 +569,90 @@ def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[...
         t0 = time.monotonic()
         t.close()  # no lane is left waiting
         assert time.monotonic() - t0 < 5
+
+
+# -- the payload's MAC (GMAC under the value's own key) ---------------------------------------------
+def test_the_payload_mac_is_the_same_over_any_slicing_and_bound_to_its_value() -> None:
+    """The reader MACs each slice as it lands from the socket, at whatever lengths recv gives:
+    the tag must not depend on them. It must depend on every byte, the chunk, the name and the
+    value's nonce."""
+    import random
+
+    from store.remote_auth import TAG_BYTES
+
+    keys = Keys.derive(os.urandom(32))
+    k1, k2 = NS.chunk_keys(TOKENS)[:2]
+    nonce = new_nonce()
+    data = os.urandom(3 * 65536 + 4093)
+
+    def tag(parts: list[memoryview | bytes], name: str = "p:{a}:h", key: bytes = k1, n: bytes = nonce) -> bytes:
+        mac = keys.payload_mac(name, key, n)
+        for p in parts:
+            mac.update(p)
+        out = mac.digest()
+        assert len(out) == TAG_BYTES and mac.digest() == out
+        return bytes(out)
+
+    whole = tag([data])
+    rng = random.Random(7)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        mv = memoryview(data)
+        assert tag([mv[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)], strict=True)]) == whole
+    flipped = bytearray(data)
+    for pos in (0, 15, 16, 65535, 65536, len(data) - 1):
+        flipped[pos] ^= 1
+        assert tag([flipped]) != whole
+        flipped[pos] ^= 1
+    assert tag([data[:-1]]) != whole and tag([data + b"\0"]) != whole
+    assert tag([data], name="p:{b}:h") != whole and tag([data], key=k2) != whole
+    assert tag([data], n=new_nonce()) != whole
+    assert Keys.derive(os.urandom(32)).payload_mac("p:{a}:h", k1, nonce).digest() != tag([])  # another secret
+
+
+def test_any_flipped_bit_of_any_piece_is_forged(hosts: Callable[..., Store]) -> None:
+    """Values of several pieces, the last one short: one bit flipped by a client without the
+    secret, at the start, the end or a boundary of a piece, is a miss counted ``forged``."""
+    from store import KVFormat
+
+    fmt = KVFormat("bfloat16", num_layers=4, num_kv_heads=4, head_dim=64, chunk_size=50)  # 200 KiB: 3.125 pieces
+    layout = {"dtype": "bfloat16", "shape": list(fmt.chunk_shape)}
+    ns = Namespace("public-model", fmt)
+    n = fmt.chunk_bytes
+    a, b = hosts("a", piece_bytes=64 << 10), hosts("b", piece_bytes=64 << 10)
+    r = hosts.redis.client()  # type: ignore[attr-defined]
+    spots = [(0, 0), (0, 65535), (1, 0), (2, 65535), (3, 0), (3, n - 3 * 65536 - 1)]
+    keys = ns.chunk_keys(list(range(50 * (len(spots) + 1))))
+    for i, (piece, off) in enumerate(spots):
+        k = keys[i]
+        assert a.put(k, content(k, n), layout, 50)
+        [head] = [h for h in heads(r) if len(pieces_of(r, h)) == 4]
+        p = pieces_of(r, head)[piece]
+        v = bytearray(r.get(p) or b"")
+        v[off] ^= 0x10
+        r.set(p, bytes(v))
+        assert b.get_into(k, bytearray(n)) is None
+        assert remote(b)["forged"] == i + 1 and r.dbsize() == 0
+    k = keys[-1]
+    assert a.put(k, content(k, n), layout, 50)  # untouched: exact bytes
+    out = bytearray(n)
+    assert b.get_into(k, out) is not None and bytes(out) == content(k, n) and remote(b)["hits"] == 1
+
+
+def test_a_value_of_the_earlier_format_is_foreign_not_forged(hosts: Callable[..., Store]) -> None:
+    """Values that an lmctl of the previous format wrote (keyed-BLAKE3 payloads, head version 3)
+    are misses counted ``foreign`` that the next put overwrites: an upgrade is not an attack."""
+    a, b = hosts("a"), hosts("b")
+    r = hosts.redis.client()  # type: ignore[attr-defined]
+    k = NS.chunk_keys(TOKENS)[0]
+    assert a.put(k, content(k, N), SMALL_LAYOUT, 16)
+    [head] = heads(r)
+    old = bytearray(r.get(head) or b"")
+    struct.pack_into("<H", old, 4, 3)  # the version field after the magic
+    r.set(head, bytes(old))
+    assert b.get_into(k, bytearray(N)) is None
+    st = remote(b)
+    assert (st["foreign"], st["forged"], st["hits"]) == (1, 0, 0)
+    assert a.evict([k]).chunks == 1 and a.put(k, content(k, N), SMALL_LAYOUT, 16)  # overwritten
+    out = bytearray(N)
+    assert b.get_into(k, out) is not None and bytes(out) == content(k, N)
