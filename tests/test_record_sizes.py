@@ -11,7 +11,8 @@ The local paths (put, get, get_into, re-encode, compress, move between dram and 
 spill of a full dram tier to nvme, reopen, compaction, the rebuild of a lost index, the deep
 check) run on one store per example; the remote paths (put through ``write = "always"``,
 a read that promotes into another store, ``get`` and ``get_into`` from the remote tier,
-``move --to remote``) on two stores of one deployment on a real redis-server, with a secret.
+``move --to remote``, the push of chunks evicted with ``write = "evict"``) on stores of one
+deployment on a real redis-server, with a secret, the pieces encrypted or not.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def local_config(folder: Path, dram_capacity: int = 1 * GiB) -> StoreConfig:
                        default_tier="nvme", segment_bytes=128 * MiB, fsync=False)
 
 
-@settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=32, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(size=sizes, codec=st.sampled_from(CODECS), kind=st.sampled_from(("kv", "noise")),
        dtype=st.sampled_from(("bfloat16", "uint8", "float32")), offset=offsets)
 @example(size=1, codec="raw", kind="kv", dtype="uint8", offset=0)
@@ -234,28 +235,27 @@ def deployment(workdir: Path) -> Iterator[dict[str, Any]]:
         redis.stop()
 
 
-def remote_host(folder: Path, dep: dict[str, Any], write: str) -> Store:
-    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=4 * GiB)}, segment_bytes=128 * MiB, fsync=False,
-                      remote=RemoteConfig(dep["url"], key_prefix="sizes", write=write, secret_file=dep["secret"],
-                                          io_timeout_s=30.0))
-    return Store(folder, cfg)
+def remote_config(dep: dict[str, Any], write: str, encrypt: bool, capacity: int = 4 * GiB) -> StoreConfig:
+    return StoreConfig(tiers={"nvme": TierConfig(capacity=capacity)}, segment_bytes=128 * MiB, fsync=False,
+                       remote=RemoteConfig(dep["url"], key_prefix="sizes", write=write, secret_file=dep["secret"],
+                                           encrypt=encrypt, io_timeout_s=30.0))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(size=sizes, codec=st.sampled_from(CODECS), kind=st.sampled_from(("kv", "noise")),
-       dtype=st.sampled_from(("bfloat16", "uint8")), offset=offsets)
-@example(size=1, codec="zstd", kind="kv", dtype="uint8", offset=1)
-@example(size=REMOTE_PIECE + 1, codec="raw", kind="noise", dtype="uint8", offset=0)
-@example(size=MAX, codec="zstd-shuffle", kind="kv", dtype="bfloat16", offset=0)
+       dtype=st.sampled_from(("bfloat16", "uint8")), offset=offsets, encrypt=st.booleans())
+@example(size=1, codec="zstd", kind="kv", dtype="uint8", offset=1, encrypt=False)
+@example(size=REMOTE_PIECE + 1, codec="raw", kind="noise", dtype="uint8", offset=0, encrypt=True)
+@example(size=MAX, codec="zstd-shuffle", kind="kv", dtype="bfloat16", offset=0, encrypt=False)
 def test_every_remote_path_keeps_every_size(workdir: Path, deployment: dict[str, Any], size: int, codec: str,
-                                            kind: str, dtype: str, offset: int) -> None:
+                                            kind: str, dtype: str, offset: int, encrypt: bool) -> None:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     want = payload(kind, size, offset)
-    k = new_key()
-    a = b = None
+    k, k2 = new_key(), new_key()
+    a = b = e = None
     try:
-        a = remote_host(folder / "a", deployment, "always")
-        b = remote_host(folder / "b", deployment, "never")
+        a = Store(folder / "a", remote_config(deployment, "always", encrypt))
+        b = Store(folder / "b", remote_config(deployment, "never", encrypt))
         # a put goes to the remote tier as stored (compressed by the writer's codec)
         assert a.put_many([PutItem(k, want, layout(dtype, size), 256, codec)]) == [True]
         remote = a.stats().remote
@@ -281,9 +281,17 @@ def test_every_remote_path_keeps_every_size(workdir: Path, deployment: dict[str,
         assert info is not None and info.tier == "remote" and info.codec == "raw"
         assert same(exact, want), "a chunk moved to the remote tier came back with other bytes"
         read_back(b, k, want, "promoted after a move", tier="nvme", how="into")
-        assert a.check(deep=True) == [] and b.check(deep=True) == []
+        # write = "evict": the chunks eviction takes from the last local tier go to the
+        # remote tier as stored (their bytes verified on the way out)
+        e = Store(folder / "e", remote_config(deployment, "evict", encrypt))
+        assert e.put_many([PutItem(k2, want, layout(dtype, size), 256, codec)]) == [True]
+        e.configure(remote_config(deployment, "evict", encrypt, capacity=ALIGN))  # less than any chunk takes
+        assert e.locate([k2], remote=False) == [None]
+        c = b.get(k2)
+        assert c is not None and c.tier == "remote" and same(c.data, want), "an evicted chunk came back other"
+        assert a.check(deep=True) == [] and b.check(deep=True) == [] and e.check(deep=True) == []
     finally:
-        for s in (a, b):
+        for s in (a, b, e):
             if s is not None:
                 s.close()
         deployment["redis"].client().flushdb()
