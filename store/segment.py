@@ -453,10 +453,12 @@ class SegmentIO:
 
     def read_record(self, seg_id: int, offset: int, stored_len: int,
                     dst: memoryview | None) -> RecordTrailer:
-        """Read a record's payload into ``dst[:stored_len]`` and verify it.
+        """Read a record's payload into ``dst[:stored_len]`` and verify it; ``dst`` past
+        ``stored_len`` is left as it was.
 
         With ``dst=None`` the payload is only verified. A page-aligned ``dst`` is read
-        into directly (O_DIRECT, no copy). The payload is read in pieces, up to ``depth``
+        into directly (O_DIRECT, no copy; the last block of an unaligned payload, with its
+        padding, through a staging buffer). The payload is read in pieces, up to ``depth``
         in flight while the caller hashes (and, through staging buffers, copies) the
         earliest one. A bad trailer, a short read or a checksum mismatch raises
         ``CorruptRecord``; a removed segment raises ``SegmentGone``.
@@ -470,6 +472,11 @@ class SegmentIO:
         body = align_up(stored_len)
         direct_dst = dst is not None and self.direct and is_aligned(dst)
         spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
+        if direct_dst and body != stored_len and spans[-1][1] - spans[-1][0] > ALIGN:
+            # the padding of an unaligned payload never lands in ``dst``: its last block is
+            # read apart (a caller's buffer past the payload keeps what it held)
+            a, b = spans.pop()
+            spans += [(a, b - ALIGN), (b - ALIGN, b)]
         depth = min(self.depth, len(spans))
         size = min(READ_PIECE, max(body, ALIGN))
         trailer = self.pool.take(TRAILER_BLOCK)
@@ -478,7 +485,7 @@ class SegmentIO:
 
         def target(k: int) -> tuple[memoryview, bool]:
             a, b = spans[k]
-            if direct_dst and dst is not None and b <= len(dst):
+            if direct_dst and dst is not None and b <= min(len(dst), stored_len):
                 return dst[a:b], True
             while len(bufs) <= k % depth:
                 bufs.append(self.pool.take(size))

@@ -52,6 +52,10 @@ Scenarios (each bounded in count and time; every one ends by checking the store)
   a Redis client without the secret rewriting, swapping, truncating and forging (valid
   checksums) values at random; every read is the exact bytes or a miss, every forged value is
   counted forged and never promoted, untouched values are hits; ends with verify --deep.
+* big-records (stress/scenario_big_records.py): Llama-8B chunks (32 MiB of bf16 KV each) saved
+  raw, compressed (an unaligned length over the 8 MiB write piece), half evicted so that
+  compaction moves the compressed rest, moved to dram and back (or spilled back by a full dram
+  tier); every step read back byte for byte, and verify --deep clean.
 
 Exit status 0 when every check held; the table lists trials and failures per scenario.
 """
@@ -501,6 +505,7 @@ def main() -> int:
         ("readonly", lambda w: topic("readonly")(w, 1 if q else 6)),
         ("full-shm", lambda w: topic("full_shm")(w, 1 if q else 10)),
         ("forged", lambda w: topic("forged")(w, 60 if q else 600)),
+        ("big-records", lambda w: topic("big_records")(w, 3 if q else 12)),
     ]
     rows = []
     for name, run in plan:

@@ -690,6 +690,31 @@ def test_a_tier_added_while_the_store_is_open_is_marked_as_the_tiers(tmp_path: P
         assert [p for p in s.check() if not p.fixed] == []
 
 
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_get_into_leaves_a_larger_buffer_alone_past_the_chunk(make_store: MakeStore, codec: str) -> None:
+    """A page-aligned buffer is read into with O_DIRECT, a block at a time: the zero padding
+    after an unaligned raw payload (up to 4095 bytes) landed in the caller's buffer past the
+    chunk, where an unaligned buffer kept its bytes."""
+    import mmap
+
+    from store.segment import READ_PIECE
+
+    store = make_store(segment_bytes=32 * MiB)
+    if not store.stats().tiers["nvme"].direct_io:
+        pytest.skip("the tier's filesystem does not take O_DIRECT")
+    for i, n in enumerate((1, 4095, 4097, READ_PIECE - 1, READ_PIECE + 1, 3 * MiB + 5)):
+        k = key(i)
+        data = content(k, n + 8)[:n]  # (content makes at least 8 bytes)
+        assert store.put(k, data, SMALL_LAYOUT, tokens=16, codec=codec)
+        out = mmap.mmap(-1, n + 2 * 4096)
+        out[:] = b"\xee" * len(out)
+        info = store.get_into(k, out)
+        assert info is not None and info.raw_bytes == n
+        assert out[:n] == data
+        assert out[n:] == b"\xee" * (len(out) - n), f"get_into wrote past a chunk of {n} bytes"
+        out.close()
+
+
 def test_compaction_moves_records_over_a_write_piece_of_unaligned_length(make_store: MakeStore) -> None:
     """A record longer than one 8 MiB write piece whose length is not a multiple of 4 KiB
     (every zstd-compressed chunk of a 7B+ model) goes out zero-copy piece by piece with its
