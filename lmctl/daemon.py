@@ -33,6 +33,8 @@ from store.private import check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
 from .errors import Cancelled, Denied, UsageError
+from .health import HIGH_WATERMARK, FailedJobs, Maintenance, describe_pass, error_line, utc
+from .health import reasons as health_reasons
 from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 from .selection import set_caller
@@ -127,7 +129,8 @@ class DaemonState:
     jobs: dict[int, Job] = field(default_factory=dict)
     requests: int = 0
     errors: int = 0
-    maintenance: dict[str, Any] = field(default_factory=dict)
+    maintenance: Maintenance = field(default_factory=lambda: Maintenance(30.0))
+    failed_jobs: FailedJobs = field(default_factory=FailedJobs)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -459,7 +462,7 @@ class Daemon:
             if exporter is not None:
                 exporter.close()
             raise
-        self.state = DaemonState(store, self.socket_path)
+        self.state = DaemonState(store, self.socket_path, maintenance=Maintenance(self.maintenance_s))
         try:
             listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)
         except BaseException:
@@ -562,13 +565,42 @@ class Daemon:
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.maintenance_s):
-            try:
-                did = self.state.store.maintain()
-                self.state.maintenance = {**did.to_dict(), "at": time.time()}
-                if did.evicted or did.segments_compacted:
-                    log.info("maintenance: %s", did)
-            except Exception as exc:
-                log.warning("maintenance failed: %s", exc)
+            self._maintain_once()
+
+    def _maintain_once(self) -> None:
+        """One maintenance pass, its outcome recorded for ``status``, the health check and the
+        metrics. A failure is logged as one line (with the traceback once, at the first failure
+        of a run of them, for whoever debugs it); the next pass tries again."""
+        st = self.state
+        m = st.maintenance
+        try:
+            did = st.store.maintain(HIGH_WATERMARK).to_dict()
+        except Exception as exc:
+            line = error_line(exc)
+            with st.lock:
+                m.failed(line, time.time())
+                n, since, total = m.consecutive_failures, m.failing_since, m.failures_total
+            if n == 1:
+                log.warning("maintenance failed: %s", line, exc_info=True)
+            else:
+                log.warning("maintenance failed again (%d passes in a row since %s, %d in all): %s", n,
+                            utc(since or 0), total, line)
+        else:
+            with st.lock:
+                was = m.consecutive_failures
+                m.succeeded(did, time.time())
+            if was:
+                log.info("maintenance works again after %d failed pass(es): %s", was, describe_pass(did))
+            elif any(did.values()):
+                log.info("maintenance: %s", describe_pass(did))
+        try:
+            above = {name: t.disk_bytes / t.capacity for name, t in st.store.stats().tiers.items()
+                     if t.capacity and t.disk_bytes > HIGH_WATERMARK * t.capacity}
+        except Exception as exc:  # a closed or failing store: the status request that asks says so
+            log.debug("reading the tiers' usage after maintenance failed: %s", exc)
+            above = {}
+        with st.lock:
+            m.above_watermark = above
 
     # -- one client ----------------------------------------------------------------
     def _client(self, conn: socket.socket, uid: int) -> None:
@@ -665,12 +697,15 @@ class Daemon:
             log.info("job %d (%s) cancelled: %s", job.id, cmd, exc)
             return fail("cancelled", str(exc))
         except StoreError as exc:
+            self._job_failed(job, str(exc))
             return fail("failed", str(exc))
         except RecursionError:
             return fail("usage", f"{cmd}: the request is nested too deeply")
         except Exception as exc:  # a bug must not take the daemon down
             log.exception("%s failed", cmd)
-            return fail("failed", f"{cmd} failed: {type(exc).__name__}: {exc}")
+            message = f"{cmd} failed: {error_line(exc)}"
+            self._job_failed(job, message)
+            return fail("failed", message)
         finally:
             self._release.set()  # the releaser drops the index's pages if too many are mapped
             with st.lock:
@@ -679,6 +714,10 @@ class Daemon:
                 if conn in self._conns:
                     self._conns[conn] = None
         self._reply(conn, rid, result)
+
+    def _job_failed(self, job: Job, message: str) -> None:
+        with self.state.lock:
+            self.state.failed_jobs.add(job.id, job.cmd, time.time(), message)
 
     def _reply(self, conn: socket.socket, rid: Any, result: dict[str, Any]) -> None:
         try:
@@ -703,7 +742,8 @@ class Daemon:
             jobs: dict[str, int] = {}
             for j in st.jobs.values():
                 jobs[j.cmd] = jobs.get(j.cmd, 0) + 1
-        return {"jobs": jobs, "requests": st.requests, "errors": st.errors}
+            failures = st.maintenance.failures_total
+        return {"jobs": jobs, "requests": st.requests, "errors": st.errors, "maintenance_failures": failures}
 
     def _status(self) -> dict[str, Any]:
         st = self.state
@@ -711,11 +751,14 @@ class Daemon:
         with st.lock:
             jobs = [{"id": j.id, "cmd": j.cmd, "done": j.done, "total": j.total, "what": j.what,
                      "running_s": round(time.time() - j.started, 3)} for j in st.jobs.values()]
-        return {
+            maintenance = st.maintenance.to_dict()
+            above = dict(st.maintenance.above_watermark)
+            failed = st.failed_jobs.to_list()
+        out = {
             "daemon": {"version": __version__, "protocol": protocol.VERSION, "pid": os.getpid(),
                        "uptime_s": round(time.time() - st.started, 3), "socket": st.socket_path,
                        "clients": self._clients(), "requests": st.requests, "errors": st.errors,
-                       "maintenance": st.maintenance},
+                       "maintenance": maintenance},
             "store": {"path": st.store.path, "readonly": st.store.readonly, "readonly_reason": st.store.readonly_reason,
                       "refused_saves": st.store.refused_saves, "tiers": stats.to_dict()["tiers"],
                       "counters": stats.counters,
@@ -723,4 +766,8 @@ class Daemon:
                       "codec": st.store.config.codec, "remote": stats.remote,
                       "remote_refused": stats.remote_refused},
             "jobs": jobs,
+            "failed_jobs": failed,
         }
+        why = health_reasons(out, st.store.unavailable_tiers(), above, st.store.config.default_tier)
+        out["health"] = {"healthy": not why, "reasons": why}
+        return out
