@@ -630,11 +630,14 @@ class Daemon:
         of a run of them, for whoever debugs it); the next pass tries again."""
         st = self.state
         m = st.maintenance
+        with st.lock:
+            m.running_since = time.time()
         try:
             did = st.store.maintain(HIGH_WATERMARK).to_dict()
         except Exception as exc:
             line = error_line(exc)
             with st.lock:
+                m.running_since = None
                 m.failed(line, time.time())
                 n, since, total = m.consecutive_failures, m.failing_since, m.failures_total
             if n == 1:
@@ -644,6 +647,7 @@ class Daemon:
                             utc(since or 0), total, line)
         else:
             with st.lock:
+                m.running_since = None
                 was = m.consecutive_failures
                 m.succeeded(did, time.time())
             if was:

@@ -19,6 +19,8 @@ from typing import Any
 HIGH_WATERMARK = 0.95
 #: a pin budget this full is reported: the next pins will be refused
 PIN_BUDGET_NEARLY_FULL = 0.9
+#: a maintenance pass still running after this long (or 10 intervals, if longer) is stalled
+STALLED_AFTER_S = 600.0
 #: failed jobs kept for ``status``
 FAILED_JOBS_KEPT = 10
 #: an error line is cut to this many characters
@@ -76,6 +78,7 @@ class Maintenance:
     failures_total: int = 0
     last_error: str | None = None  # kept after a recovery, with its time
     last_error_at: float | None = None
+    running_since: float | None = None  # the pass running now, if one is
     #: tiers above the high watermark when the last pass ended: name -> share of capacity used
     above_watermark: dict[str, float] = field(default_factory=dict)
 
@@ -94,7 +97,8 @@ class Maintenance:
         return {"interval_s": self.interval_s, "state": self.state, "last_ok_at": self.last_ok_at,
                 "last_ok": self.last_ok, "failing_since": self.failing_since,
                 "consecutive_failures": self.consecutive_failures, "failures_total": self.failures_total,
-                "last_error": self.last_error, "last_error_at": self.last_error_at}
+                "last_error": self.last_error, "last_error_at": self.last_error_at,
+                "running_since": self.running_since}
 
     @property
     def state(self) -> str:
@@ -123,8 +127,13 @@ def reason(code: str, message: str) -> dict[str, str]:
     return {"code": code, "message": one_line(message)}
 
 
+def stalled_after(interval_s: float) -> float:
+    """How long a maintenance pass may run before it counts as stalled."""
+    return max(STALLED_AFTER_S, 10 * interval_s)
+
+
 def reasons(status: dict[str, Any], unavailable: dict[str, str], above_watermark: dict[str, float],
-            default_tier: str | None = None) -> list[dict[str, str]]:
+            default_tier: str | None = None, now: float | None = None) -> list[dict[str, str]]:
     """Why the daemon needs an operator, one reason each (empty: healthy), from its
     ``status`` reply and what only it knows: ``unavailable`` tiers (name -> why) and the
     tiers ``above_watermark`` when the last maintenance pass ended (name -> share used).
@@ -140,6 +149,13 @@ def reasons(status: dict[str, Any], unavailable: dict[str, str], above_watermark
         out.append(reason("maintenance-failing",
                           f"maintenance failing since {utc(m['failing_since'])} ({m['consecutive_failures']} "
                           f"pass(es) in a row, {m['failures_total']} in all): {m['last_error']}"))
+    running = m.get("running_since")
+    now = time.time() if now is None else now
+    if running is not None and now - running > stalled_after(m.get("interval_s") or 0):
+        out.append(reason("maintenance-stalled",
+                          f"a maintenance pass has been running since {utc(running)} ({(now - running) / 60:.0f} "
+                          "min): a disk under the store or a tier may be stalled (frozen, hung); nothing is evicted "
+                          "or compacted meanwhile"))
     for _name, why in sorted(unavailable.items()):
         out.append(reason("tier-unavailable", why))
     store = status["store"]

@@ -24,12 +24,15 @@ from lmctl.terminal import ExitStatus
 
 FAULT = """
 import os
+import time
 _flag = os.environ.get("LMCTL_TEST_MAINTENANCE_FAULT")
 if _flag:
     import store.store as _store
     _maintain = _store.Store.maintain
 
     def maintain(self, *args, **kwargs):
+        while os.path.exists(_flag + ".hang"):  # a pass that hangs, as on a frozen disk
+            time.sleep(0.05)
         if os.path.exists(_flag):
             [][0]  # IndexError: list index out of range, as the compaction bug of 8 MiB records raised
         return _maintain(self, *args, **kwargs)
@@ -116,6 +119,23 @@ def test_failing_maintenance_shows_in_status_the_metric_and_the_check(tmp_path: 
     # the first failure of the run logs its traceback once; later ones are a line each
     assert log.count("Traceback") == 1 and "maintenance failed again (2 passes in a row since" in log
     assert "maintenance works again after" in log
+
+
+def test_a_pass_that_runs_says_since_when(tmp_path: Path) -> None:
+    d, flag = faulty_daemon(tmp_path)
+    hang = Path(f"{flag}.hang")
+    hang.touch()
+    flag.unlink()
+    d.start()
+    try:
+        m = wait_for(lambda: (s := ok(d, "status")["daemon"]["maintenance"])["running_since"] and s)
+        assert m["state"] == "pending" and m["running_since"] <= time.time()
+        assert check(d) == (0, "healthy\n", "")  # stalled only after 10 minutes
+        hang.unlink()
+        m = wait_for(lambda: (s := ok(d, "status")["daemon"]["maintenance"])["state"] == "ok" and s)
+        assert m["consecutive_failures"] == 0
+    finally:
+        assert d.stop() == 0
 
 
 def test_maintenance_logs_what_it_did_in_words_not_a_repr(daemon: Daemon, tmp_path: Path) -> None:
@@ -238,6 +258,14 @@ def test_health_rules_one_reason_each() -> None:
     status["store"]["remote"]["breaker"] = "half-open"
     status["store"]["remote_refused"] = "the secret file is missing"
     assert [x["code"] for x in reasons(status, {}, {}, "dram")] == ["tier-unavailable"]
+    # a pass that has run for over 10 minutes (or 10 intervals) is stalled: a frozen or hung disk
+    status["store"]["remote_refused"] = None
+    status["daemon"]["maintenance"] = {"consecutive_failures": 0, "interval_s": 30.0, "running_since": 1000.0}
+    assert reasons(status, {}, {}, "dram", now=1000.0 + 599) == []
+    [stalled] = reasons(status, {}, {}, "dram", now=1000.0 + 601)
+    assert stalled["code"] == "maintenance-stalled" and "(10 min)" in stalled["message"]
+    status["daemon"]["maintenance"]["interval_s"] = 3600.0
+    assert reasons(status, {}, {}, "dram", now=1000.0 + 601) == []
 
 
 def test_an_error_line_is_its_type_and_message_on_one_line() -> None:
