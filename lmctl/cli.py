@@ -220,15 +220,88 @@ def _once_per_key(flag: str, values: list[str], keyed: bool) -> None:
 
 # -- requests to the daemon ---------------------------------------------------------------------
 @app.command()
-def status(ctx: typer.Context) -> None:
-    """Daemon and store health: tiers, usage, capacity, running jobs.
+def status(
+    ctx: typer.Context,
+    check: Annotated[bool, typer.Option(
+        "--check", help="health check for probes: exit 0 when healthy, 1 with one line per reason when something "
+                        "needs an operator, 3 when the daemon does not answer")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        metavar="S", min=0.1, max=3600,
+        help="give up when the daemon has not answered within S seconds [default: 10 with --check, else none]")] = None,
+) -> None:
+    """Daemon and store health: tiers, usage, capacity, maintenance, running and failed jobs.
 
     \b
     Examples:
       lmctl status
       lmctl --json status | jq .store.tiers
+      lmctl status --check --timeout 5     # a probe: exit 0 healthy, 1 unhealthy, 3 no daemon
     """
-    _request(ctx, "status", {}, _show_status)
+    if not check:
+        term = Terminal.of(ctx)
+        with _deadline(term, timeout):
+            _request(ctx, "status", {}, _show_status)
+        return
+    _check(Terminal.of(ctx), 10.0 if timeout is None else timeout)
+
+
+@contextmanager
+def _deadline(term: Terminal, timeout: float | None) -> Iterator[None]:
+    """Requests made meanwhile give up after ``timeout`` seconds without an answer (None:
+    as the terminal's connection already does)."""
+    if timeout is None:
+        yield
+        return
+    from .client import Client
+
+    if term.client is None:
+        term.client = Client(term.address, timeout=timeout, daemon_uids=term.daemon_uids)
+        yield
+        return
+    before = term.client.timeout  # the shell's kept connection
+    term.client.timeout = timeout
+    try:
+        yield
+    finally:
+        if term.client is not None:
+            term.client.timeout = before
+
+
+def _check(term: Terminal, timeout: float) -> None:
+    """``status --check``: healthy or not, each reason a line (under --json, an object); a
+    daemon that cannot be asked is a reason too, with that failure's exit status."""
+    from .terminal import classify
+
+    status = ExitStatus.OK
+    try:
+        with _deadline(term, timeout):
+            r = term.call("status")
+        health = r.get("health") or {"healthy": False, "reasons": [
+            {"code": "unknown", "message": "the daemon does not report its health (an older lmctl?)"}]}
+        reasons = list(health["reasons"])
+        if reasons:
+            status = ExitStatus.UNHEALTHY
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        raise typer.Exit(term.fail(KeyboardInterrupt())) from None
+    except Exception as exc:  # unreachable, untrusted, denied: the check could not be made
+        term.hang_up()
+        failure = classify(exc)
+        if not term.json:
+            raise typer.Exit(term.show_failure(failure)) from None
+        reasons, status = [{"code": failure.code, "message": failure.message}], failure.status
+    try:
+        if term.json:
+            term.echo(json.dumps({"healthy": not reasons, "reasons": reasons}))
+        elif not reasons:
+            term.say("healthy")
+        else:
+            for why in reasons:
+                term.say(f"{why['code']}: {why['message']}")
+    except BrokenPipeError:
+        term.silence()
+    raise typer.Exit(status)
 
 
 def _show_status(term: Terminal, r: dict[str, Any]) -> None:
@@ -255,8 +328,44 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
                  "(this daemon's calls)")
     if r["store"].get("remote_refused"):
         term.say(f"remote tier not started: {r['store']['remote_refused']}")
+    term.say(_maintenance_line(d.get("maintenance") or {}))
     for j in r["jobs"]:
         term.say(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
+    failed = r.get("failed_jobs") or []
+    if failed:
+        term.say(f"failed jobs (the last {len(failed)}, newest first):")
+        for j in failed:
+            term.say(f"  {_utc(j['at'])}  job {j['id']} {j['cmd']}: {j['error']}")
+    health = r.get("health")
+    if health is not None:
+        if health["healthy"]:
+            term.say("health: ok")
+        else:
+            term.say(f"health: {len(health['reasons'])} problem(s) (lmctl status --check):")
+            for why in health["reasons"]:
+                term.say(f"  {why['code']}: {why['message']}")
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _maintenance_line(m: dict[str, Any]) -> str:
+    """The maintenance thread's state in one line."""
+    every = f"every {m['interval_s']:g} s" if m.get("interval_s") else ""
+    if m.get("consecutive_failures"):
+        ok = f"; last worked {_utc(m['last_ok_at'])}" if m.get("last_ok_at") else "; it has not worked yet"
+        return (f"maintenance: FAILING since {_utc(m['failing_since'])}, {m['consecutive_failures']} pass(es) in a "
+                f"row ({m['failures_total']} in all){ok}: {m['last_error']}")
+    if m.get("last_ok_at") is None:
+        return f"maintenance: {every}, no pass yet"
+    from .health import describe_pass
+
+    line = f"maintenance: {every}, last pass {_utc(m['last_ok_at'])} ({describe_pass(m.get('last_ok') or {})})"
+    if m.get("failures_total"):
+        line += (f"; {m['failures_total']} failed pass(es) since the daemon started, the last at "
+                 f"{_utc(m['last_error_at'])}: {m['last_error']}")
+    return line
 
 
 def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:

@@ -87,6 +87,38 @@ class UntrustedDaemon(Unreachable):
         self.uid = uid
 
 
+class NoAccess(Unreachable):
+    """The kernel refused the connection (EACCES): the socket, or a folder on the way to it,
+    is another user's, whose daemon may well be running there. Nothing was sent."""
+
+    def __init__(self, path: str) -> None:
+        Exception.__init__(self, _no_access(path))
+        self.path = path
+
+
+def _who(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _no_access(path: str) -> str:
+    me = os.geteuid()
+    admit = (f"its owner can admit you: lmctl serve --allow-uid {me}, with the socket where you can reach it "
+             "(e.g. --socket /run/lmctl/lmctl.sock --socket-mode 0660 --socket-group GROUP, you in GROUP)")
+    try:
+        st = os.stat(path)
+    except OSError:  # EACCES: a folder on the way keeps this user out
+        return (f"permission denied reaching the socket {path}: a folder on the way keeps {_who(me)} out; "
+                f"a daemon may be running there: {admit}")
+    return (f"permission denied connecting to the socket {path}: it belongs to {_who(st.st_uid)} (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}) and {_who(me)} may not write to it; a daemon may be running there: "
+            f"{admit}, and you pass --daemon-uid {st.st_uid}")
+
+
 class RemoteError(Exception):
     """The daemon answered with an error."""
 
@@ -134,7 +166,7 @@ class Client:
             raise Unreachable(self.path, "connection refused: stale socket") from None
         except PermissionError:
             s.close()
-            raise Unreachable(self.path, "permission denied") from None
+            raise NoAccess(self.path) from None
         except OSError as exc:
             s.close()
             raise Unreachable(self.path, exc.strerror or str(exc)) from None

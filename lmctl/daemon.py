@@ -33,6 +33,8 @@ from store.private import check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
 from .errors import Cancelled, Denied, UsageError
+from .health import HIGH_WATERMARK, FailedJobs, Maintenance, describe_pass, error_line, utc
+from .health import reasons as health_reasons
 from .ops import OPS, check_pin_budgets
 from .ops import Job as OpJob
 from .selection import set_caller
@@ -127,7 +129,8 @@ class DaemonState:
     jobs: dict[int, Job] = field(default_factory=dict)
     requests: int = 0
     errors: int = 0
-    maintenance: dict[str, Any] = field(default_factory=dict)
+    maintenance: Maintenance = field(default_factory=lambda: Maintenance(30.0))
+    failed_jobs: FailedJobs = field(default_factory=FailedJobs)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -292,6 +295,20 @@ def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tup
     return mode, gid
 
 
+#: the most bytes a Unix socket's path may have (``sun_path`` holds 108, its NUL included)
+SUN_PATH_MAX = 107
+
+
+def check_socket_path(path: str, given: bool = True) -> None:
+    """A socket path the kernel cannot bind is a usage error that names the limit, before
+    anything is created (``bind`` would say only "AF_UNIX path too long")."""
+    n = len(os.fsencode(path))
+    if n > SUN_PATH_MAX:
+        where = "--socket" if given else "the socket in the store folder"
+        raise UsageError(f"{where} {path} is {n} bytes long; a Unix socket's path can be at most {SUN_PATH_MAX} "
+                         f"bytes: give a shorter --socket (e.g. /run/lmctl/lmctl.sock)")
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
@@ -302,6 +319,7 @@ class Daemon:
                  init: bool = True, settings: dict[str, Any] | None = None, metrics: str | None = None) -> None:
         self.store_dir = os.path.abspath(store_dir)
         self.socket_path = os.path.abspath(socket_path or os.path.join(self.store_dir, "lmctl.sock"))
+        check_socket_path(self.socket_path, given=socket_path is not None)
         self.allow = {os.getuid(), *allow_uids}
         self.socket_mode = socket_mode
         self.socket_group = socket_group
@@ -322,23 +340,68 @@ class Daemon:
         self._conns_lock = threading.Lock()
         self._denied: dict[int, tuple[float, int]] = {}  # uid: (last logged, refused since)
 
+    def _check_socket_folder(self) -> None:
+        """A socket folder that does not exist is refused, before anything is created: a typo'd
+        ``--socket`` must not make folders (as root, anywhere). The store folder itself is the
+        exception: the default socket lives there, and ``--init`` creates it."""
+        folder = os.path.dirname(self.socket_path)
+        if os.path.isdir(folder) or os.path.realpath(folder) == os.path.realpath(self.store_dir):
+            return
+        if os.path.lexists(folder):
+            raise UsageError(f"the socket's folder {folder} is not a folder; choose another --socket")
+        raise UsageError(f"the socket's folder {folder} does not exist; create it first (owned by the daemon's user, "
+                         "writable by no one else; with systemd, RuntimeDirectory=lmctl makes /run/lmctl) or choose "
+                         "another --socket")
+
     def _take_lock(self) -> None:
-        """Only one daemon per socket: a flock'ed file beside it settles races between starts."""
+        """Only one daemon per socket: a flock'ed file beside it settles races between starts.
+        The file is removed when the daemon stops (``_release_lock``), under the lock: a start
+        that opened it just before finds, once it holds the lock, that the path names another
+        file or none, and takes the lock again on the file there now."""
         folder = os.path.dirname(self.socket_path)
         if _inside(folder, self.store_dir):
             make_private_dir(self.store_dir, "store folder")  # as the store makes it: 0700 whatever the umask
         # a folder no one else can write in (checked at every start), and a lock file opened
         # without following a link: never another file chmod'ed or written through it
         make_private_dir(folder, "socket folder", "remove it or choose another --socket", 0o755)
-        fd = open_file(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, "lock file")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise AlreadyServing(f"another lmctl daemon is already serving on {self.socket_path}") from None
-            raise
+        path = self.socket_path + ".lock"
+        while True:
+            fd = open_file(path, os.O_RDWR | os.O_CREAT, "lock file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise AlreadyServing(f"another lmctl daemon is already serving on {self.socket_path}") from None
+                raise
+            if self._names(path, fd):
+                break
+            os.close(fd)  # a daemon that stopped meanwhile removed the file this one opened
         self._lockfd = fd
+
+    @staticmethod
+    def _names(path: str, fd: int) -> bool:
+        """Whether ``path`` is (still) the file open as ``fd``."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        me = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (me.st_dev, me.st_ino)
+
+    def _release_lock(self) -> None:
+        """Remove the socket's lock file (while still holding it), then let it go."""
+        fd, self._lockfd = self._lockfd, None
+        if fd is None:
+            return
+        path = self.socket_path + ".lock"
+        try:
+            if self._names(path, fd):
+                os.unlink(path)
+        except OSError as exc:  # a read-only or vanished folder: the file stays, harmlessly
+            log.debug("could not remove the lock file %s: %s", path, exc)
+        finally:
+            os.close(fd)
 
     def _take_store_lock(self) -> None:
         """One daemon per store, whatever its socket: a flock'ed file in the store folder that
@@ -423,8 +486,11 @@ class Daemon:
 
     def serve(self) -> bool:
         """Serve until SIGTERM/SIGINT; True when every client thread finished and the store was
-        closed, False when some request did not stop in time (the store is crash-safe)."""
+        closed, False when some request did not stop in time (the store is crash-safe). The
+        socket's lock file is removed when the daemon stops, and when a start that took it is
+        refused after all."""
         self._check_access()  # before anything is created
+        self._check_socket_folder()
         self._check_store()
         try:
             self._take_lock()
@@ -435,23 +501,20 @@ class Daemon:
                                  "(e.g. /run/lmctl/lmctl.sock)") from None
             raise StoreError(f"cannot use the socket folder for {self.socket_path}: {exc.strerror}") from None
         try:
-            self._check_access()  # now that the socket's folder exists
-        except SocketUnreachable:
-            if self._lockfd is not None:
-                os.close(self._lockfd)
-                self._lockfd = None
-            raise
+            return self._serve_locked()
+        finally:
+            self._release_lock()
+            if self._store_lockfd is not None:
+                os.close(self._store_lockfd)
+                self._store_lockfd = None
+
+    def _serve_locked(self) -> bool:
+        self._check_access()  # now that the socket's folder exists
         exporter = None
         if self.metrics is not None:  # before the store is opened (or created): a port in use changes nothing
             from .metrics import Exporter
 
-            try:
-                exporter = Exporter(self.metrics, lambda: self.state.store, self._exporter_extra)
-            except BaseException:
-                if self._lockfd is not None:
-                    os.close(self._lockfd)
-                    self._lockfd = None
-                raise
+            exporter = Exporter(self.metrics, lambda: self.state.store, self._exporter_extra)
             self.metrics_port = exporter.port
         try:
             store = self._open_store()
@@ -459,7 +522,7 @@ class Daemon:
             if exporter is not None:
                 exporter.close()
             raise
-        self.state = DaemonState(store, self.socket_path)
+        self.state = DaemonState(store, self.socket_path, maintenance=Maintenance(self.maintenance_s))
         try:
             listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)
         except BaseException:
@@ -518,9 +581,6 @@ class Daemon:
             clean = self._drain([*threads, maint, releaser])
             if clean:
                 store.close()
-            for fd in (self._lockfd, self._store_lockfd):
-                if fd is not None:
-                    os.close(fd)
         return clean
 
     def _drain(self, threads: list[threading.Thread]) -> bool:
@@ -562,13 +622,46 @@ class Daemon:
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.maintenance_s):
-            try:
-                did = self.state.store.maintain()
-                self.state.maintenance = {**did.to_dict(), "at": time.time()}
-                if did.evicted or did.segments_compacted:
-                    log.info("maintenance: %s", did)
-            except Exception as exc:
-                log.warning("maintenance failed: %s", exc)
+            self._maintain_once()
+
+    def _maintain_once(self) -> None:
+        """One maintenance pass, its outcome recorded for ``status``, the health check and the
+        metrics. A failure is logged as one line (with the traceback once, at the first failure
+        of a run of them, for whoever debugs it); the next pass tries again."""
+        st = self.state
+        m = st.maintenance
+        with st.lock:
+            m.running_since = time.time()
+        try:
+            did = st.store.maintain(HIGH_WATERMARK).to_dict()
+        except Exception as exc:
+            line = error_line(exc)
+            with st.lock:
+                m.running_since = None
+                m.failed(line, time.time())
+                n, since, total = m.consecutive_failures, m.failing_since, m.failures_total
+            if n == 1:
+                log.warning("maintenance failed: %s", line, exc_info=True)
+            else:
+                log.warning("maintenance failed again (%d passes in a row since %s, %d in all): %s", n,
+                            utc(since or 0), total, line)
+        else:
+            with st.lock:
+                m.running_since = None
+                was = m.consecutive_failures
+                m.succeeded(did, time.time())
+            if was:
+                log.info("maintenance works again after %d failed pass(es): %s", was, describe_pass(did))
+            elif any(did.values()):
+                log.info("maintenance: %s", describe_pass(did))
+        try:
+            above = {name: t.disk_bytes / t.capacity for name, t in st.store.stats().tiers.items()
+                     if t.capacity and t.disk_bytes > HIGH_WATERMARK * t.capacity}
+        except Exception as exc:  # a closed or failing store: the status request that asks says so
+            log.debug("reading the tiers' usage after maintenance failed: %s", exc)
+            above = {}
+        with st.lock:
+            m.above_watermark = above
 
     # -- one client ----------------------------------------------------------------
     def _client(self, conn: socket.socket, uid: int) -> None:
@@ -621,7 +714,8 @@ class Daemon:
                 self._denied = {uid: self._denied[uid]}
         else:
             self._denied[uid] = (seen[0], seen[1] + 1)
-        _refuse(conn, "denied", f"uid {uid} may not use this daemon (peer credentials)")
+        _refuse(conn, "denied", f"uid {uid} may not use this daemon (peer credentials); the daemon's owner "
+                                f"(uid {os.geteuid()}) can admit it: lmctl serve --allow-uid {uid}")
 
     def _send(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         try:
@@ -665,12 +759,15 @@ class Daemon:
             log.info("job %d (%s) cancelled: %s", job.id, cmd, exc)
             return fail("cancelled", str(exc))
         except StoreError as exc:
+            self._job_failed(job, str(exc))
             return fail("failed", str(exc))
         except RecursionError:
             return fail("usage", f"{cmd}: the request is nested too deeply")
         except Exception as exc:  # a bug must not take the daemon down
             log.exception("%s failed", cmd)
-            return fail("failed", f"{cmd} failed: {type(exc).__name__}: {exc}")
+            message = f"{cmd} failed: {error_line(exc)}"
+            self._job_failed(job, message)
+            return fail("failed", message)
         finally:
             self._release.set()  # the releaser drops the index's pages if too many are mapped
             with st.lock:
@@ -679,6 +776,10 @@ class Daemon:
                 if conn in self._conns:
                     self._conns[conn] = None
         self._reply(conn, rid, result)
+
+    def _job_failed(self, job: Job, message: str) -> None:
+        with self.state.lock:
+            self.state.failed_jobs.add(job.id, job.cmd, time.time(), message)
 
     def _reply(self, conn: socket.socket, rid: Any, result: dict[str, Any]) -> None:
         try:
@@ -703,7 +804,8 @@ class Daemon:
             jobs: dict[str, int] = {}
             for j in st.jobs.values():
                 jobs[j.cmd] = jobs.get(j.cmd, 0) + 1
-        return {"jobs": jobs, "requests": st.requests, "errors": st.errors}
+            failures = st.maintenance.failures_total
+        return {"jobs": jobs, "requests": st.requests, "errors": st.errors, "maintenance_failures": failures}
 
     def _status(self) -> dict[str, Any]:
         st = self.state
@@ -711,11 +813,14 @@ class Daemon:
         with st.lock:
             jobs = [{"id": j.id, "cmd": j.cmd, "done": j.done, "total": j.total, "what": j.what,
                      "running_s": round(time.time() - j.started, 3)} for j in st.jobs.values()]
-        return {
+            maintenance = st.maintenance.to_dict()
+            above = dict(st.maintenance.above_watermark)
+            failed = st.failed_jobs.to_list()
+        out = {
             "daemon": {"version": __version__, "protocol": protocol.VERSION, "pid": os.getpid(),
                        "uptime_s": round(time.time() - st.started, 3), "socket": st.socket_path,
                        "clients": self._clients(), "requests": st.requests, "errors": st.errors,
-                       "maintenance": st.maintenance},
+                       "maintenance": maintenance},
             "store": {"path": st.store.path, "readonly": st.store.readonly, "readonly_reason": st.store.readonly_reason,
                       "refused_saves": st.store.refused_saves, "tiers": stats.to_dict()["tiers"],
                       "counters": stats.counters,
@@ -723,4 +828,8 @@ class Daemon:
                       "codec": st.store.config.codec, "remote": stats.remote,
                       "remote_refused": stats.remote_refused},
             "jobs": jobs,
+            "failed_jobs": failed,
         }
+        why = health_reasons(out, st.store.unavailable_tiers(), above, st.store.config.default_tier)
+        out["health"] = {"healthy": not why, "reasons": why}
+        return out

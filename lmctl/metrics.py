@@ -157,6 +157,9 @@ class StoreCollector(Collector):
                                   value=float(extra.get("requests", 0)))
         yield CounterMetricFamily("lmctl_daemon_request_errors_total", "Requests that ended in an error.",
                                   value=float(extra.get("errors", 0)))
+        yield CounterMetricFamily("lmctl_daemon_maintenance_failures_total",
+                                  "Background maintenance passes (evict, compact) that failed.",
+                                  value=float(extra.get("maintenance_failures", 0)))
         if stats.remote is not None:
             state = GaugeMetricFamily("lmctl_remote_breaker_state",
                                       "The daemon's remote circuit breaker: 1 for its current state.",

@@ -62,6 +62,7 @@ class ExitStatus(IntEnum):
     ERROR = 1  # the operation failed
     USAGE = 2  # a bad or conflicting option, a missing selector, an unknown name
     UNREACHABLE = 3  # no daemon on the socket (or none to trust: another user's)
+    UNHEALTHY = 1  # status --check: something needs an operator (the same code as ERROR)
     INTERRUPTED = 130  # Ctrl-C: the daemon cancels the job
 
 

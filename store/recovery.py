@@ -120,12 +120,16 @@ class Recovery:
         a reboot (``rebooted``) is not absent: it lives on tmpfs, whose files a reboot removes,
         so its chunks are gone for good. (Without a reboot a missing dram folder may be another
         mount namespace's view of /dev/shm: then it is absent like any other.)"""
-        absent = {st.name for st in self.tiers.values()
-                  if not (st.name == "dram" and self.rebooted)
-                  and not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
+        absent = self.unavailable()
         for name in absent:
             log.error("%s", self.absent_message(name))
         return absent
+
+    def unavailable(self) -> set[str]:
+        """``absent_tiers`` without a word in the log (a stat per tier): for health checks."""
+        return {st.name for st in self.tiers.values()
+                if not (st.name == "dram" and self.rebooted)
+                and not os.path.exists(os.path.join(st.io.dir, TIER_MARKER))}
 
     def absent_message(self, name: str) -> str:
         return (f"tier {name}: none of its segment files is in {self.tiers[name].io.dir}; is its disk mounted, "

@@ -1001,6 +1001,12 @@ class Store:
         there at all (an unmounted disk) is reported and left alone. A stat per segment."""
         return self._recovery.forget_missing_segments()
 
+    def unavailable_tiers(self) -> dict[str, str]:
+        """Tiers whose folder is not the tier's now (an unmounted disk, a moved folder), each
+        with a sentence saying so; their chunks are kept in the index until they are back. A
+        stat per tier, nothing logged: cheap enough for every health check."""
+        return {name: self._recovery.absent_message(name) for name in sorted(self._recovery.unavailable())}
+
     def check(self, fix: bool = False, deep: bool = False,
               progress: Callable[[int, int], None] | None = None) -> list[Problem]:
         """Find (and with ``fix``, repair) inconsistencies between the index and the segments.

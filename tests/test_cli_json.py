@@ -12,7 +12,6 @@ from test_daemon import OTHER, TOKENS, Daemon, cj, cli, fill, tokens_file
 
 #: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
 MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "queues", "chunk.layout", "chunks[].layout",
-        "daemon.maintenance",
         *(f"counters.{name}" for name in ("evictions_total", "corrupt_total", "saves_dropped_total", "pins_total",
                                           "unpins_total"))}
 

@@ -239,6 +239,7 @@ def test_the_daemon_serves_a_store_on_a_read_only_disk_read_only(ext4: Ext4, tmp
 
     keys = filled(ext4.mnt / "s")
     ext4.remount_ro()
+    (tmp_path / "run").mkdir(mode=0o700)  # serve refuses a socket folder that does not exist
     d = Daemon(ext4.mnt / "s", tmp_path / "run" / "lmctl.sock")
     d.start()
     try:
@@ -259,6 +260,7 @@ def test_the_daemon_keeps_serving_when_its_disk_goes_read_only_under_a_writer(ex
     from test_daemon import Daemon, cj
 
     keys = filled(ext4.mnt / "s")
+    (tmp_path / "run").mkdir(mode=0o700)  # serve refuses a socket folder that does not exist
     d = Daemon(ext4.mnt / "s", tmp_path / "run" / "lmctl.sock")
     d.start()
     s = open_shared(ext4.mnt / "s")

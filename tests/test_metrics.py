@@ -224,6 +224,8 @@ def test_exporter_shows_operator_work_and_the_event_totals(tmp_path: Path) -> No
     assert value(got, "lmctl_tier_chunks", tier="nvme") == 5
     assert value(got, "lmctl_evicted_chunks_total") == 1
     assert value(got, "lmctl_daemon_requests_total") >= 2
+    assert ("lmctl_daemon_maintenance_failures_total", ()) in got  # exported, 0 while maintenance works
+    assert value(got, "lmctl_daemon_maintenance_failures_total") == 0
 
 
 # -- lmctl top ----------------------------------------------------------------------------------
@@ -299,7 +301,7 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_exporter_has() -> None:
         m for m, _ in EVENT_COUNTERS.values()} | {"lmctl_" + g for g in GAUGES} | {
         "lmctl_tier_chunks", "lmctl_tier_bytes", "lmctl_tier_capacity_bytes", "lmctl_tier_pinned_bytes",
         "lmctl_tier_disk_bytes", "lmctl_write_amplification", "lmctl_daemon_jobs", "lmctl_daemon_requests_total",
-        "lmctl_daemon_request_errors_total", "lmctl_remote_breaker_state"}
+        "lmctl_daemon_request_errors_total", "lmctl_daemon_maintenance_failures_total", "lmctl_remote_breaker_state"}
     exporter = (ROOT / "lmctl" / "metrics.py").read_text()
     assert all(f'"{m}"' in exporter or m[len("lmctl_"):] in CELLS or m[len("lmctl_"):] in GAUGES for m in known)
     dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
