@@ -43,6 +43,9 @@ def _main(
     socket_path: Annotated[str | None, typer.Option(
         "--socket", envvar="LMCTL_SOCKET", help="daemon socket [default: $LMCTL_STORE/lmctl.sock]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output (numbers as numbers)")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "-q", "--quiet", help="data and errors only: no summaries, notices or progress (the exit status says "
+                              "how it went); list commands print their rows alone")] = False,
     daemon_uid: Annotated[str | None, typer.Option(
         "--daemon-uid", envvar="LMCTL_DAEMON_UID", metavar="UID[,UID...]",
         help="also trust a daemon run by this uid or user (the CLI refuses any other but yours and root's)")] = None,
@@ -63,6 +66,7 @@ def _main(
         except ValueError as exc:
             raise CommandError("usage", str(exc)) from None
     term.json = term.json or as_json
+    term.quiet = term.quiet or quiet
     ctx.obj = term
     if ctx.invoked_subcommand is None:  # only global options (lmctl --json)
         raise typer.Exit(Lmctl.missing_command(term, ctx))
@@ -188,7 +192,8 @@ def serve(
             # the socket: serve's --socket, else the global --socket / $LMCTL_SOCKET, else the file's
             sock = socket_path or (term.address if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
             sock = sock or daemon.get("socket")
-            level = (log_level or daemon.get("log_level") or "info").upper()
+            # --quiet: the daemon logs warnings and errors only, unless a level is given
+            level = (log_level or daemon.get("log_level") or ("warning" if term.quiet else "info")).upper()
             if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
                 raise CommandError("usage", f"--log-level must be debug, info, warning or error, not {level.lower()!r}")
             interval = check_interval(maintenance_interval if maintenance_interval is not None else daemon.get(
@@ -236,8 +241,10 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
 
     d = r["daemon"]
     c = term.console()
-    c.print(f"lmctl {d['version']} serving [bold]{escape(printable(r['store']['path']))}[/bold] on "
-            f"{escape(printable(d['socket']))} (pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
+    if term.chatty:
+        c.print(f"lmctl {d['version']} serving [bold]{escape(printable(r['store']['path']))}[/bold] on "
+                f"{escape(printable(d['socket']))} (pid {d['pid']}, up {d['uptime_s']:.0f} s, "
+                f"{d['clients']} client(s))")
     if r["store"].get("readonly"):
         term.say(f"read-only: {r['store']['readonly_reason']}; hits are served, saves refused "
                  f"({r['store'].get('refused_saves', 0)} refused by the daemon; engines count theirs as "
@@ -822,7 +829,7 @@ def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
 
     def body() -> None:
         r = {"path": new_secret(path), "bytes": SECRET_BYTES, "mode": "0600"}
-        term.emit(r, lambda t, r: t.console().print(
+        term.emit(r, lambda t, r: t.say(
             f"wrote a new remote secret to {path} (mode 0600); set remote.secret_file to it on every store that "
             "shares the tier"))
 
@@ -863,7 +870,8 @@ def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
       lmctl config set tiers.nvme.capacity=500GiB
       lmctl config set codec=zstd-shuffle codec_level=3 retire_after_s=12h
     """
-    _request(ctx, "config", lambda: {"set": _changes(pairs)}, _show_settings)
+    _request(ctx, "config", lambda: {"set": _changes(pairs)},
+             lambda term, r: None if term.quiet else _show_settings(term, r))
 
 
 def _changes(pairs: list[str]) -> dict[str, str]:
