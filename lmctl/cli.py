@@ -113,6 +113,36 @@ def write_amplification(r: dict[str, Any]) -> str:
 
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change; change nothing")]
+#: how a listing is printed (``-o``): see ``_formats``
+OUTPUTS = ("wide", "tsv", "name")
+Output = Annotated[str | None, typer.Option(
+    "-o", "--output", help="wide (a table with full keys), tsv (tab-separated values, raw numbers and ISO times, "
+                           "a header line first) or name (one full chunk key a line, for --key)",
+    autocompletion=complete_values("--output"))]
+NoHeaders = Annotated[bool, typer.Option("--no-headers", help="leave out the header line (tables and -o tsv)")]
+
+
+def _formats(ctx: typer.Context, output: str | None, no_headers: bool) -> Terminal:
+    """The terminal of a listing, with its ``-o`` and ``--no-headers``."""
+    term = Terminal.of(ctx)
+    if output is not None and output not in OUTPUTS:
+        raise typer.Exit(term.report("usage", f"-o/--output must be wide, tsv or name, not {output!r}"))
+    if output is not None and term.json:
+        raise typer.Exit(term.report("usage", f"--json and -o {output} are two output formats: give one"))
+    term.output, term.no_headers = output, no_headers
+    return term
+
+
+def iso_time(t: float) -> str:
+    """A time for scripts: ISO 8601, local, with its offset (2026-12-01T10:32:05+0100)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def keys_only(term: Terminal, keys: list[str | None]) -> None:
+    """``-o name``: one full chunk key a line (what ``--key`` takes back)."""
+    shown = [k for k in keys if k]
+    if shown:
+        term.echo("\n".join(shown))
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -267,6 +297,11 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
 
 
 def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
+    if term.output == "tsv":  # raw numbers
+        term.table(None, ["tier", "chunks", "bytes", "disk_bytes", "capacity", "pinned_bytes"],
+                   [[name, v["chunks"], v["bytes"], v.get("disk_bytes", v["bytes"]), v["capacity"],
+                     v.get("pinned_bytes", 0)] for name, v in tiers.items()])
+        return
     rows = []
     for name, v in tiers.items():
         cap = v["capacity"]
@@ -329,15 +364,19 @@ def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
            kind: Annotated[list[str] | None, typer.Option(
                help="evict, corrupt, save-dropped, pin or unpin; repeatable",
                autocompletion=complete_values("--kind"))] = None,
-           limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50) -> None:
+           limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50,
+           output: Output = None, no_headers: NoHeaders = False) -> None:
     """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals).
 
     \b
     Examples:
       lmctl events --since 1h --kind evict
+      lmctl events -o tsv --limit 0 > events.tsv
       lmctl --json events --limit 0 | jq '.events[] | select(.kind == "corrupt")'
     """
     from .units import parse_duration
+
+    _formats(ctx, output, no_headers)
 
     def args() -> dict[str, Any]:
         out: dict[str, Any] = {"limit": limit}
@@ -368,7 +407,18 @@ def user(uid: int) -> str:
         return str(uid)
 
 
+EVENT_FIELDS = ("tier", "label", "uid", "bytes", "key", "detail")
+
+
 def _show_events(term: Terminal, r: dict[str, Any]) -> None:
+    if term.output == "name":
+        keys_only(term, [e.get("key") for e in r["events"]])
+        return
+    if term.output == "tsv":
+        term.table(None, ["time", "kind", "reason", "chunks", *EVENT_FIELDS],
+                   [[iso_time(e["time"]), e["kind"], e["reason"], e["chunks"],
+                     *("" if e.get(k) is None else e[k] for k in EVENT_FIELDS)] for e in r["events"]])
+        return
     rows = []
     for e in r["events"]:
         what = [f"{k} {e[k]}" for k in ("tier", "label") if e.get(k) is not None]
@@ -377,7 +427,7 @@ def _show_events(term: Terminal, r: dict[str, Any]) -> None:
         if e.get("bytes"):
             what.append(human(e["bytes"]))
         if e.get("key"):
-            what.append(f"first chunk {chunk_id(e['key'])}")
+            what.append(f"first chunk {e['key'] if term.output == 'wide' else chunk_id(e['key'])}")
         if e.get("detail"):
             what.append(str(e["detail"]))
         rows.append([local_time(e["time"]), e["kind"], e["reason"], str(e["chunks"]), ", ".join(what)])
@@ -499,7 +549,7 @@ def _compressed(r: dict[str, Any]) -> str:
 
 @app.command("inspect")
 @with_selectors
-def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
+def inspect_(ctx: typer.Context, sel: dict[str, Any], output: Output = None, no_headers: NoHeaders = False) -> None:
     """Store statistics by tier, model, adapter and label, or one chunk's metadata (--key K).
 
     With selectors, the statistics of the chunks they pick.
@@ -507,13 +557,24 @@ def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
     \b
     Examples:
       lmctl inspect
-      lmctl inspect --label contracts
+      lmctl inspect --label contracts -o tsv
       lmctl inspect --key 48c937a7583e21f2
     """
+    term = _formats(ctx, output, no_headers)
+    if output == "name" and not sel.get("keys"):
+        raise typer.Exit(term.report("usage", "-o name prints chunk keys: inspect without --key shows statistics; "
+                                              "lmctl ls -o name lists the keys a selector picks"))
     _request(ctx, "inspect", sel, _show_inspect)
 
 
 def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
+    if "chunk" in r and term.output == "name":
+        keys_only(term, [r["chunk"].get("key")])
+        return
+    if "chunk" in r and term.output == "tsv":
+        term.table(None, ["field", "value"], [[k, "" if v is None else v if isinstance(v, str) else json.dumps(v)]
+                                              for k, v in r["chunk"].items()])
+        return
     if "chunk" in r:
         now = time.time()
 
@@ -530,6 +591,10 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
 
         term.table(None, ["field", "value"], [[k, shown(k, v)] for k, v in r["chunk"].items()])
         return
+    if term.output == "tsv":
+        _inspect_tsv(term, r)
+        return
+    wide = term.output == "wide"
     if "scope" in r:
         term.say(f"selected: {r['chunks']} chunks, {human(r['bytes'])} on disk")
     else:
@@ -538,7 +603,8 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     if r["models"]:
         term.table("models (one row per checkpoint fingerprint)",
                    ["model", "fingerprint", "last used", "chunks", "bytes"],
-                   [[m["model"], (m["fingerprint"] or "-")[:12] + (" (retired)" if m["retired"] else ""),
+                   [[m["model"], (m["fingerprint"] or "-")[:None if wide else 12]
+                     + (" (retired)" if m["retired"] else ""),
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(m["last_used"])) if m["last_used"] else "-",
                      str(m["chunks"]), human(m["bytes"])] for m in r["models"]], {"chunks", "bytes"})
     if r["adapters"]:
@@ -551,6 +617,25 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     term.say(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}")
 
 
+def _inspect_tsv(term: Terminal, r: dict[str, Any]) -> None:
+    """``inspect -o tsv``: a section per table (tiers, models, adapters, labels), a blank line
+    between two; each section's first column names what its rows count."""
+    sections = [lambda: _tiers(term, r["tiers"])]
+    if r["models"]:
+        sections.append(lambda: term.table(None, ["model", "fingerprint", "retired", "last_used", "chunks", "bytes"], [
+            [m["model"], m["fingerprint"] or "", str(m["retired"]).lower(),
+             iso_time(m["last_used"]) if m["last_used"] else "", m["chunks"], m["bytes"]] for m in r["models"]]))
+    if r["adapters"]:
+        sections.append(lambda: term.table(None, ["model", "adapter", "chunks", "bytes"], [
+            [a["model"], a["adapter"] or "", a["chunks"], a["bytes"]] for a in r["adapters"]]))
+    if r["labels"]:
+        sections.append(lambda: term.table(None, ["label", "chunks"], [[k, v] for k, v in r["labels"].items()]))
+    for i, show in enumerate(sections):
+        if i:
+            term.echo()
+        show()
+
+
 @app.command("ls")
 @with_selectors
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
@@ -559,15 +644,17 @@ def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Opt
             help="key, age (oldest first), access (least recently used first) or size (largest first)",
             autocompletion=complete_values("--sort"))] = "key",
         cursor: Annotated[str | None, typer.Option(
-            help="continue a listing where the last page ended (its 'next')")] = None) -> None:
+            help="continue a listing where the last page ended (its 'next')")] = None,
+        output: Output = None, no_headers: NoHeaders = False) -> None:
     """List chunks matching a selector (all chunks without one), a page at a time.
 
     \b
     Examples:
       lmctl ls --label contracts
-      lmctl ls --sort size --limit 10
-      lmctl --json ls --limit 0 --adapter civil | jq -r '.chunks[].key'
+      lmctl ls --sort size --limit 10 -o wide
+      lmctl ls --limit 0 --adapter civil -o name
     """
+    _formats(ctx, output, no_headers)
     _request(ctx, "ls", {**sel, "limit": limit, "sort": sort, **({"cursor": cursor} if cursor else {})}, _show_ls)
 
 
@@ -580,12 +667,24 @@ def ago(seconds: float) -> str:
     return f"{s:.0f}s"
 
 
+LS_TSV = ("key", "tier", "bytes", "tokens", "pins", "hits", "created", "last_access", "model", "adapter", "codec")
+
+
 def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
+    if term.output == "name":
+        keys_only(term, [x["key"] for x in r["chunks"]])
+    elif term.output == "tsv":
+        term.table(None, list(LS_TSV), [[iso_time(x[k]) if k in ("created", "last_access") else
+                                         "" if x[k] is None else x[k] for k in LS_TSV] for x in r["chunks"]])
+    if term.output in ("name", "tsv"):
+        return
     now = time.time()
-    rows = [[chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
+    wide = term.output == "wide"
+    rows = [[x["key"] if wide else chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
              str(x["hits"]), ago(now - x["created"]), ago(now - x["last_access"]) + " ago",
-             x["adapter"] or "(base)"] for x in r["chunks"]]
-    term.table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age", "last access", "adapter"],
+             x["adapter"] or "(base)", *([x["model"] or "-", x["codec"]] if wide else [])] for x in r["chunks"]]
+    term.table(None, ["key" if wide else "chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age",
+                      "last access", "adapter", *(["model", "codec"] if wide else [])],
                rows, {"bytes", "tokens", "pins", "hits", "age", "last access"})
     more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
     term.say(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")

@@ -41,7 +41,7 @@ METAVARS = {
     "--pin-budget": "[TIER=]FRACTION|SIZE", "--codec": "CODEC", "--codec-level": "N", "--set": "KEY=VALUE",
     "--log-level": "LEVEL", "--since": "DURATION", "--kind": "KIND", "--limit": "N", "--sort": "ORDER",
     "--cursor": "NEXT", "--level": "N", "--to": "TIER", "--endpoint": "URL", "--interval": "SECONDS",
-    "--iterations": "N", "--shell": "SHELL",
+    "--iterations": "N", "--shell": "SHELL", "-o": "FORMAT",
 }
 
 

@@ -52,3 +52,64 @@ def test_quiet_keeps_data_errors_and_exit_codes_and_drops_the_rest(daemon: Daemo
     r = cli(daemon, "shell", stdin="-q pin --label q2 --tokens " + doc + "\npin --label q3 --tokens " + doc + "\n")
     assert r.returncode == 0 and "q2" not in r.stdout and "'q3'" in r.stdout, r.stdout
     assert set(cj(daemon, "inspect")["labels"]) == {"q2", "q3"}
+
+
+# -- -o/--output and --no-headers ------------------------------------------------------------------
+def test_ls_output_formats_paste_back_into_key(daemon: Daemon, tmp_path: Path) -> None:
+    keys = [c["key"] for c in cj(daemon, "ls", "--limit", "0")["chunks"]]
+    assert len(keys) == 6
+    r = cli(daemon, "ls", "--limit", "0", "-o", "name")
+    assert r.returncode == 0 and r.stdout.splitlines() == keys  # nothing but the keys: no summary line
+    # pasted back into --key: the chunks they name
+    got = cj(daemon, "ls", "--limit", "0", *[w for k in r.stdout.split() for w in ("--key", k)])
+    assert [c["key"] for c in got["chunks"]] == keys
+    r = cli(daemon, "ls", "--limit", "0", "--output", "tsv")
+    lines = [x.split("\t") for x in r.stdout.splitlines()]
+    assert lines[0] == ["key", "tier", "bytes", "tokens", "pins", "hits", "created", "last_access", "model",
+                        "adapter", "codec"]
+    assert [x[0] for x in lines[1:]] == keys and all(x[1] == "nvme" and x[2].isdigit() and x[3] == "16"
+                                                     and x[8] == "m" and x[9] == "" for x in lines[1:])
+    assert all(len(x) == 11 and x[6][:2] == "20" and "T" in x[6] for x in lines[1:])
+    r = cli(daemon, "ls", "--limit", "0", "-o", "tsv", "--no-headers")
+    assert [x.split("\t")[0] for x in r.stdout.splitlines()] == keys
+    r = cli(daemon, "ls", "--limit", "0", "-o", "wide")
+    assert all(k in r.stdout for k in keys) and "codec" in r.stdout and "6 chunk(s)" in r.stdout
+    r = cli(daemon, "ls", "--limit", "2", "--no-headers")  # a table without its header; the summary stays
+    assert "chunk hash" not in r.stdout and "│" not in r.stdout and "next page" in r.stdout
+    # a format that is none of them, or two formats: usage errors
+    r = cli(daemon, "ls", "-o", "yaml")
+    assert r.returncode == 2 and "-o/--output must be wide, tsv or name, not 'yaml'" in r.stderr
+    r = cli(daemon, "--json", "ls", "-o", "tsv")
+    assert r.returncode == 2 and "two output formats" in json.loads(r.stdout)["error"]["message"]
+
+
+def test_events_and_inspect_output_formats(daemon: Daemon, tmp_path: Path) -> None:
+    key = NS.chunk_keys(OTHER)[0].hex()
+    assert cli(daemon, "evict", "--key", key).returncode == 0
+    assert cli(daemon, "pin", "--label", "tsv\tlabel", "--tokens", tokens_file(tmp_path, TOKENS)).returncode == 0
+    r = cli(daemon, "events", "-o", "tsv")
+    rows = [x.split("\t") for x in r.stdout.splitlines()]
+    assert rows[0] == ["time", "kind", "reason", "chunks", "tier", "label", "uid", "bytes", "key", "detail"]
+    assert [x[1] for x in rows[1:]] == ["evict", "pin"] and rows[1][8] == key and rows[1][7].isdigit()
+    assert rows[2][5] == "tsv\\tlabel" and len(rows[2]) == 10  # a tab in a value is escaped
+    assert cli(daemon, "events", "-o", "name", "--kind", "evict").stdout == key + "\n"
+    r = cli(daemon, "events", "-o", "wide", "--kind", "evict")
+    assert key in r.stdout and "totals" in r.stdout
+    r = cli(daemon, "events", "--no-headers", "-q")
+    assert len(r.stdout.splitlines()) == 2 and "reason" not in r.stdout
+    # inspect: a section per table; one chunk as field/value; its key as a name
+    r = cli(daemon, "inspect", "-o", "tsv")
+    sections = r.stdout.split("\n\n")
+    assert [s.split("\t")[0] for s in sections] == ["tier", "model", "model", "label"], r.stdout
+    assert sections[0].splitlines()[1].split("\t")[:2] == ["nvme", "5"]
+    bare = cli(daemon, "inspect", "-o", "tsv", "--no-headers").stdout
+    assert bare.splitlines()[0].split("\t")[:2] == ["nvme", "5"]
+    first = NS.chunk_keys(TOKENS)[0].hex()
+    assert cli(daemon, "inspect", "--key", first[32:40], "-o", "name").stdout == first + "\n"
+    r = cli(daemon, "inspect", "--key", first, "-o", "tsv")
+    fields = dict(x.split("\t", 1) for x in r.stdout.splitlines()[1:])
+    assert fields["key"] == first and fields["tokens"] == "16" and fields["labels"] == '["tsv\\tlabel"]'
+    r = cli(daemon, "inspect", "-o", "name")
+    assert r.returncode == 2 and "lmctl ls -o name" in r.stderr
+    r = cli(daemon, "inspect", "-o", "wide")
+    assert r.returncode == 0 and "write amplification" in r.stdout
