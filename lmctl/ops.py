@@ -616,10 +616,14 @@ def op_verify(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
 def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """The store's event log: the newest ``limit`` events (0: all) of the last ``since``
-    seconds, of the ``kind`` list; and the totals by kind and reason, which outlive the log."""
+    seconds, of the ``kind`` list, after event ``after`` (a ``seq``: ``events --follow`` asks
+    for what came since its last call); the totals by kind and reason, which outlive the log;
+    and ``last_seq``, the newest event's ``seq``, read before the events (so none falls between)."""
     since = arg(args, "since", float)
     kinds = arg(args, "kind", list)
     limit = arg(args, "limit", int, 50)
+    after = arg(args, "after", int)
+    last_seq = store.last_event_seq()
     if since is not None and since < 0:
         raise UsageError("--since must not be negative")
     if not 0 <= limit <= MAX_LIMIT:
@@ -627,10 +631,11 @@ def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     if kinds is not None and not all(isinstance(k, str) for k in kinds):
         raise UsageError("argument 'kind' must be a list of event kinds")
     try:
-        events = store.events(None if since is None else time.time() - since, kinds or None, limit)
+        events = store.events(None if since is None else time.time() - since, kinds or None, limit, after)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
-    return {"events": events, "counters": store.event_counters(), "limit": store.config.event_log_max}
+    return {"events": events, "counters": store.event_counters(), "limit": store.config.event_log_max,
+            "last_seq": max([last_seq, *(e.get("seq", 0) for e in events)])}
 
 
 def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:

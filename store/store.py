@@ -934,16 +934,22 @@ class Store:
         self._index.write(fn)
 
     def events(self, since: float | None = None, kinds: Sequence[str] | None = None,
-               limit: int = 100) -> list[dict[str, Any]]:
+               limit: int = 100, after: int | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` events (0: all) of the store's bounded event log since the time
         ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``),
+        after the event whose ``seq`` is ``after`` (for a reader that follows the log),
         oldest first. Each is a dict: ``seq``, ``time``, ``kind``, ``reason``, ``chunks``, and
         as it applies ``key`` (the first chunk it names), ``tier``, ``bytes``, ``label``,
         ``uid``, ``detail``."""
         bad = sorted(set(kinds or ()) - set(EVENT_KINDS))
         if bad:
             raise StoreError(f"unknown event kind(s) {', '.join(bad)}; kinds are {', '.join(EVENT_KINDS)}")
-        return self._events.recent(since, kinds, limit)
+        return self._events.recent(since, kinds, limit, after)
+
+    def last_event_seq(self) -> int:
+        """The ``seq`` of the newest event ever logged (0: none): a follower of the log asks
+        ``events(after=...)`` from here."""
+        return self._events.last_seq()
 
     def event_counters(self) -> dict[str, dict[str, int]]:
         """Totals by event kind and reason, kept in the index beside the event log and never

@@ -7,8 +7,15 @@ against a real daemon (``test_daemon.Daemon``) and the real command line (in thi
 from __future__ import annotations
 
 import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+from conftest import env_with_path
 from test_cli import lmctl
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, library, tokens_file
 
@@ -113,3 +120,86 @@ def test_events_and_inspect_output_formats(daemon: Daemon, tmp_path: Path) -> No
     assert r.returncode == 2 and "lmctl ls -o name" in r.stderr
     r = cli(daemon, "inspect", "-o", "wide")
     assert r.returncode == 0 and "write amplification" in r.stdout
+
+
+# -- events --follow ----------------------------------------------------------------------------------
+class Follower:
+    """``lmctl events --follow ...`` as a process of its own, its stdout read line by line."""
+
+    def __init__(self, d: Daemon, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "--socket", str(d.sock), "events",
+                                      "--follow", "--interval", "0.2", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env_with_path())
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def next(self, timeout: float = 20) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def quiet_for(self, seconds: float) -> bool:
+        """Whether no line comes within ``seconds``."""
+        try:
+            line = self.lines.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        raise AssertionError(f"unexpected line: {line!r}")
+
+    def end(self, sig: int) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=20)
+        assert self.proc.stderr is not None
+        return rc, self.proc.stderr.read()
+
+
+def test_events_follow_prints_new_events_as_they_come_until_sigterm(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    assert cli(daemon, "pin", "--label", "before", "--tokens", doc).returncode == 0
+    f = Follower(daemon, "--kind", "evict", "--kind", "unpin")
+    try:
+        assert f.quiet_for(1.0)  # the pin before it is of another kind
+        keys = NS.chunk_keys(OTHER)
+        t0 = time.monotonic()
+        assert cli(daemon, "evict", "--key", keys[0].hex()).returncode == 0
+        assert f.next().split() == ["time", "kind", "reason", "chunks", "details"]  # the header, once
+        line = f.next()
+        assert time.monotonic() - t0 < 10
+        assert line.split()[3:6] == ["evict", "operator", "1"] and keys[0].hex()[32:48] in line, line
+        assert cli(daemon, "pin", "--label", "after", "--tokens", doc).returncode == 0  # filtered out
+        assert cli(daemon, "unpin", "--label", "after").returncode == 0
+        assert cli(daemon, "evict", "--key", keys[1].hex()).returncode == 0
+        assert f.next().split()[3] == "unpin" and f.next().split()[3] == "evict"
+        assert f.quiet_for(0.6)  # each event once
+    finally:
+        rc, err = f.end(signal.SIGTERM)
+    assert (rc, err) == (0, "")
+
+
+def test_events_follow_json_lines_and_ctrl_c(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    assert cli(daemon, "pin", "--label", "old", "--tokens", doc).returncode == 0
+    f = Follower(daemon, "--json", "--limit", "1")
+    try:
+        first = json.loads(f.next())  # the newest event there was, as a JSON line of its own
+        assert (first["kind"], first["label"]) == ("pin", "old")
+        assert cli(daemon, "unpin", "--label", "old").returncode == 0
+        e = json.loads(f.next())
+        assert (e["kind"], e["label"], e["seq"]) == ("unpin", "old", first["seq"] + 1)
+    finally:
+        rc, err = f.end(signal.SIGINT)
+    assert (rc, err) == (130, "")
+    r = cli(daemon, "events", "--follow", "--interval", "0")
+    assert r.returncode == 2 and "--interval must be between 0.1 and 60" in r.stderr
+    # -o name: the first chunk of each event, nothing else
+    f = Follower(daemon, "-o", "name", "--limit", "0", "--kind", "evict")
+    try:
+        assert f.quiet_for(0.6)
+        key = NS.chunk_keys(OTHER)[0].hex()
+        assert cli(daemon, "evict", "--key", key).returncode == 0
+        assert f.next() == key
+    finally:
+        assert f.end(signal.SIGTERM)[0] == 0
