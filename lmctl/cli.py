@@ -561,19 +561,54 @@ def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> N
 @app.command()
 @with_selectors
 def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.Option(
-        "--force", help="evict pinned chunks too")] = False, dry_run: DryRun = False) -> None:
-    """Remove chunks from the store (never pinned ones unless --force).
+        "--force", help="evict pinned chunks too")] = False, dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="list what would go (keys and sizes) and evict nothing")] = False,
+          output: Output = None, no_headers: NoHeaders = False) -> None:
+    """Remove chunks from the store (never pinned ones unless --force); --dry-run lists what would go.
 
     \b
     Examples:
       lmctl evict --older-than 7d --unpinned --dry-run
+      lmctl evict --older-than 7d --unpinned --dry-run -o name > old.keys
       lmctl evict --adapter civil@3f9a51c2
     """
-    _mutate(ctx, "evict", {**sel, "force": force}, dry_run, lambda r: (
-        f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
-        + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
-        + (f"; {r['pinned_removed']} of them pinned ({'would be' if r['dry_run'] else 'were'} removed by --force; "
-           "their pins stay and protect them when stored again)" if r["pinned_removed"] else "")), long=True)
+    term = _formats(ctx, output, no_headers)
+    if output is not None and not dry_run:
+        raise typer.Exit(term.report("usage", f"-o {output} lists what --dry-run would evict: add --dry-run"))
+
+    def line(r: dict[str, Any]) -> str:
+        return (f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
+                + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
+                + (f"; {r['pinned_removed']} of them pinned ({'would be' if r['dry_run'] else 'were'} removed by "
+                   "--force; their pins stay and protect them when stored again)" if r["pinned_removed"] else ""))
+
+    def show(term: Terminal, r: dict[str, Any]) -> None:
+        if r["dry_run"]:
+            _show_victims(term, r["keys"])
+        term.say(line(r))
+
+    _request(ctx, "evict", {**sel, "force": force, "dry_run": dry_run}, show, long=True)
+
+
+#: rows of a dry run's table at most (``-o name`` and ``-o tsv`` list them all)
+VICTIM_ROWS = 1000
+
+
+def _show_victims(term: Terminal, rows: list[dict[str, Any]]) -> None:
+    """What ``evict --dry-run`` would evict: a table, TSV, or keys (``-o name``)."""
+    if term.output == "name":
+        keys_only(term, [x["key"] for x in rows])
+        return
+    if term.output == "tsv":
+        term.table(None, ["key", "tier", "bytes", "pins"], [[x["key"], x["tier"], x["bytes"], x["pins"]]
+                                                            for x in rows])
+        return
+    wide = term.output == "wide"
+    term.table(None, ["key" if wide else "chunk hash", "tier", "bytes", "pins"],
+               [[x["key"] if wide else chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["pins"])]
+                for x in rows[:VICTIM_ROWS]], {"bytes", "pins"})
+    if len(rows) > VICTIM_ROWS:
+        term.say(f"... and {len(rows) - VICTIM_ROWS} more (-o name or -o tsv lists them all)")
 
 
 @app.command()
@@ -1043,16 +1078,33 @@ SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k
 @config_app.command("set", epilog=SETTINGS_HELP)
 def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
         metavar="KEY=VALUE", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle",
-        autocompletion=complete_values("KEY=VALUE"))]) -> None:
+        autocompletion=complete_values("KEY=VALUE"))], dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="check the settings and say what a smaller capacity would evict; change nothing")]
+        = False) -> None:
     """Change store settings (validated, recorded in the store, applied at once).
 
     \b
     Examples:
+      lmctl config set tiers.nvme.capacity=200GiB --dry-run
       lmctl config set tiers.nvme.capacity=500GiB
       lmctl config set codec=zstd-shuffle codec_level=3 retire_after_s=12h
     """
-    _request(ctx, "config", lambda: {"set": _changes(pairs)},
-             lambda term, r: None if term.quiet else _show_settings(term, r))
+    _request(ctx, "config", lambda: {"set": _changes(pairs), **({"dry_run": True} if dry_run else {})},
+             lambda term, r: _show_config_dry_run(term, r) if r.get("dry_run") else
+             None if term.quiet else _show_settings(term, r))
+
+
+def _show_config_dry_run(term: Terminal, r: dict[str, Any]) -> None:
+    term.say(f"would change {', '.join(r['changed'])} (nothing applied)")
+    for name, e in r["evicts"].items():
+        cap = ("" if e["capacity"] == e["capacity_before"] else
+               f" (capacity {human(e['capacity_before'])} -> {human(e['capacity'])})")
+        if e["chunks"]:
+            verb = f"move {e['chunks']} chunk(s), {human(e['bytes'])} to {e['moves_to']}" if e["moves_to"] else \
+                f"evict {e['chunks']} chunk(s), {human(e['bytes'])}"
+            term.say(f"tier {name}: would {verb} at once{cap}")
+        elif cap:
+            term.say(f"tier {name}: nothing would be evicted{cap}")
 
 
 def _changes(pairs: list[str]) -> dict[str, str]:

@@ -109,12 +109,12 @@ class Job(OpJob):
             except OSError:
                 raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
 
-    def emit(self, rows: list[dict[str, Any]]) -> None:
+    def emit(self, rows: list[dict[str, Any]], into: str = "chunks") -> None:
         self._check()
         if self.conn is None:
             return
         try:
-            protocol.send(self.conn, {"id": self.rid, "rows": rows})
+            protocol.send(self.conn, {"id": self.rid, "rows": rows, **({} if into == "chunks" else {"into": into})})
         except OSError:
             raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
 

@@ -51,8 +51,9 @@ class Job:
     def progress(self, done: int, total: int, what: str) -> None:
         return
 
-    def emit(self, rows: list[dict[str, Any]]) -> None:
-        """Stream part of a listing (``ls``); the client appends it to ``chunks``."""
+    def emit(self, rows: list[dict[str, Any]], into: str = "chunks") -> None:
+        """Stream part of a listing (``ls``, ``evict --dry-run``); the client appends it to the
+        result's list ``into``."""
         raise NotImplementedError
 
 
@@ -185,12 +186,6 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     else:
         if not filters_of(args) and scope.only is None:
             select(store, args)  # no selector at all: the usage error that says how to choose
-        if dry_run and scope.countable:
-            c = scope.count(store)
-            victims = c if force else c.unpinned()
-            return {"chunks": victims.chunks, "bytes": victims.disk_bytes,
-                    "skipped_pinned": 0 if force else c.pinned_chunks,
-                    "pinned_removed": c.pinned_chunks if force else 0, "dry_run": True}
         infos = scope.stream(store)
         total = scope.count(store).chunks if scope.countable else 0
     n = b = pinned_seen = 0
@@ -198,9 +193,11 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
     def flush() -> None:
         nonlocal n, b, batch
-        if dry_run:
+        if dry_run:  # what would go, streamed to the client as the listing "keys"
             n += len(batch)
             b += sum(i.disk_bytes for i in batch)
+            job.emit([{"key": i.key.hex(), "tier": i.tier, "bytes": i.disk_bytes, "pins": i.pin_refs}
+                      for i in batch], into="keys")
         else:
             got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
             n += got.chunks
@@ -220,8 +217,11 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     if batch:
         flush()
     job.progress(max(total, n), max(total, n), "evicting")
-    return {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
-            "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
+    out: dict[str, Any] = {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
+                           "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
+    if dry_run:
+        out["keys"] = []  # the rows streamed (the client appends them here)
+    return out
 
 
 def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any) -> dict[str, Any]:
@@ -670,13 +670,26 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         raise Denied(f"{who} may not change {', '.join(reserved)}: settings that make the daemon "
                      f"read a file or connect somewhere are for the store's owner (uid {os.geteuid()}) or root "
                      "to change; ask them, or run lmctl config set as that user")
+    dry_run = arg(args, "dry_run", bool, False)
     if changes:
         try:
             cfg = apply_settings(store.config, changes)
         except StoreError as exc:
             raise UsageError(str(exc)) from None
         check_pin_budgets(store, cfg)
+        if dry_run:
+            try:
+                plan = store.eviction_plan(cfg)
+            except StoreError as exc:
+                raise UsageError(str(exc)) from None
+            return {"settings": settings_json(cfg), "changed": sorted(changes), "dry_run": True,
+                    "evicts": {name: {"chunks": len(victims), "bytes": sum(b for _k, b in victims), "moves_to": to,
+                                      "capacity_before": store.config.tiers[name].capacity,
+                                      "capacity": cfg.tiers[name].capacity}
+                               for name, (victims, to) in plan.items()}}
         store.configure(cfg)
+    elif dry_run:
+        raise UsageError("--dry-run goes with config set KEY=VALUE...")
     return {"settings": settings_json(store.config), "changed": sorted(changes)}
 
 

@@ -486,11 +486,9 @@ class Store:
                                                 if ver > FORMAT_VERSION else ""))
         return ver
 
-    def configure(self, config: StoreConfig) -> None:
-        """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
-        them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change. The new settings are synced to disk before this
-        returns."""
+    def _check_change(self, config: StoreConfig) -> None:
+        """Refuse settings this store cannot take: invalid ones, a tier removed, a tier's
+        folder changed."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
@@ -500,6 +498,29 @@ class Store:
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
+
+    def eviction_plan(self, config: StoreConfig) -> dict[str, tuple[list[tuple[bytes, int]], str | None]]:
+        """What ``configure(config)`` would evict at once, changing nothing: by tier, the
+        ``(key, bytes on disk)`` of each chunk in eviction order (retired namespaces first,
+        then least recently used; never a pinned chunk unless it moves), and the tier they
+        would move to (None: they would be dropped). Settings ``configure`` refuses are
+        refused here too. Compaction of dead space, which ``configure`` may also run, is not
+        counted."""
+        self._check_change(config)
+        out: dict[str, tuple[list[tuple[bytes, int]], str | None]] = {}
+        with self._lock:
+            for name in self._tiers:
+                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark)
+                below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
+                out[name] = (victims, below[0] if moves and below else None)
+        return out
+
+    def configure(self, config: StoreConfig) -> None:
+        """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
+        them now (a tier over its new capacity is evicted down). A tier cannot be removed
+        and its folder cannot change. The new settings are synced to disk before this
+        returns."""
+        self._check_change(config)
         old_events_max = self.config.event_log_max
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:

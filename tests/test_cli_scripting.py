@@ -13,13 +13,38 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import env_with_path
+import pytest
+from conftest import content, env_with_path
 from test_cli import lmctl
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, library, tokens_file
 
 from lmctl.terminal import ExitStatus
+from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+
+#: chunks of 512 KiB: a few dozen fill more than the smallest capacity a tier takes (16 MiB)
+BIG = KVFormat("bfloat16", num_layers=8, num_kv_heads=8, head_dim=128, chunk_size=16)
+BIG_NS = Namespace("big", BIG)
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon over 40 chunks of 512 KiB (about 20 MiB on nvme), the first 4 pinned."""
+    path = tmp_path / "big"
+    with Store(path, StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)}, segment_bytes=4 * MiB)) as s:
+        s.register_namespace(BIG_NS, {"model_id": "big", "tokenizer": None})
+        keys = BIG_NS.chunk_keys(list(range(40 * 16)))
+        layout = {"dtype": "bfloat16", "shape": list(BIG.chunk_shape)}
+        for k in keys:
+            assert s.put(k, content(k, BIG.chunk_bytes), layout, tokens=16)
+        s.pin("kept", keys[:4])
+    d = Daemon(path)
+    d.start()
+    yield d
+    if d.proc is not None:
+        assert d.stop() == 0
 
 
 # -- -q/--quiet ---------------------------------------------------------------------------------
@@ -203,3 +228,59 @@ def test_events_follow_json_lines_and_ctrl_c(daemon: Daemon, tmp_path: Path) -> 
         assert f.next() == key
     finally:
         assert f.end(signal.SIGTERM)[0] == 0
+
+
+# -- dry runs that say what would go ---------------------------------------------------------------
+def test_config_set_dry_run_says_what_a_smaller_capacity_would_evict(big: Daemon) -> None:
+    before = cj(big, "ls", "--limit", "0")
+    r = cj(big, "config", "set", "tiers.nvme.capacity=16MiB", "--dry-run")
+    assert r["dry_run"] is True and r["changed"] == ["tiers.nvme.capacity"]
+    assert r["settings"]["tiers"]["nvme"]["capacity"] == 16 * MiB  # the settings it would give
+    e = r["evicts"]["nvme"]
+    assert e["capacity_before"] == 256 * MiB and e["capacity"] == 16 * MiB and e["moves_to"] is None
+    assert 10 < e["chunks"] < 36 and e["bytes"] >= e["chunks"] * BIG.chunk_bytes
+    # nothing applied, nothing evicted
+    assert cj(big, "config", "show")["settings"]["tiers"]["nvme"]["capacity"] == 256 * MiB
+    assert cj(big, "ls", "--limit", "0") == before
+    h = cli(big, "config", "set", "tiers.nvme.capacity=16MiB", "--dry-run")
+    assert h.returncode == 0 and h.stdout.splitlines() == [
+        "would change tiers.nvme.capacity (nothing applied)",
+        f"tier nvme: would evict {e['chunks']} chunk(s), {e['bytes'] / MiB:.1f} MiB at once "
+        "(capacity 256.0 MiB -> 16.0 MiB)"]
+    # a setting refused is refused by the dry run too; a larger capacity evicts nothing
+    bad = cli(big, "config", "set", "tiers.nvme.capacity=1MiB", "--dry-run")
+    assert bad.returncode == 2
+    assert cj(big, "config", "set", "tiers.nvme.capacity=1GiB", "--dry-run")["evicts"]["nvme"]["chunks"] == 0
+    # applied, it evicts at once what it said it would (background maintenance may take a few more
+    # later, where dead space left in segments keeps the tier above its high watermark)
+    cj(big, "config", "set", "tiers.nvme.capacity=16MiB")
+    first = cj(big, "events", "--kind", "evict")["events"][0]
+    assert (first["reason"], first["chunks"], first["bytes"]) == ("lru", e["chunks"], e["bytes"])
+    after = cj(big, "ls", "--limit", "0")
+    assert after["total"] <= before["total"] - e["chunks"]
+    pinned = {c["key"] for c in before["chunks"] if c["pins"]}
+    assert pinned <= {c["key"] for c in after["chunks"]}
+
+
+def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon) -> None:
+    everything = cj(big, "ls", "--limit", "0")["chunks"]
+    unpinned = [c["key"] for c in everything if not c["pins"]]
+    r = cj(big, "evict", "--model", "big", "--dry-run")
+    assert (r["chunks"], r["skipped_pinned"]) == (36, 4)
+    assert [x["key"] for x in r["keys"]] == unpinned and all(x["tier"] == "nvme" for x in r["keys"])
+    assert sum(x["bytes"] for x in r["keys"]) == r["bytes"] and {x["pins"] for x in r["keys"]} == {0}
+    # people: a table of short keys with sizes, then the count
+    h = cli(big, "evict", "--model", "big", "--dry-run")
+    assert h.returncode == 0 and unpinned[0][32:48] + "…" in h.stdout and "KiB" in h.stdout
+    assert h.stdout.splitlines()[-1].startswith("would evict 36 chunk(s)")
+    # scripts: the keys alone, that --key takes back
+    names = cli(big, "evict", "--model", "big", "--dry-run", "-o", "name").stdout.split()
+    assert names == unpinned[:len(names)] and len(names) == 36
+    tsv = cli(big, "evict", "--model", "big", "--dry-run", "-o", "tsv", "--no-headers").stdout.splitlines()
+    assert [x.split("\t")[0] for x in tsv] == unpinned and tsv[0].split("\t")[1] == "nvme"
+    assert cli(big, "evict", "--model", "big", "-o", "name").returncode == 2  # -o lists a dry run only
+    assert cj(big, "ls", "--limit", "0")["chunks"] == everything  # nothing evicted so far
+    r = cj(big, "evict", *[w for k in names[:5] for w in ("--key", k)])
+    assert r["chunks"] == 5
+    with library(big) as s:
+        assert s.locate([bytes.fromhex(k) for k in names[:6]]) == [None] * 5 + ["nvme"]
