@@ -315,16 +315,39 @@ def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
 @app.command()
 @with_selectors
 def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typer.Option(
-        "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False) -> None:
+        "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False,
+           min_hit: Annotated[float | None, typer.Option(
+               "--min-hit", help="exit 1 (with one line) unless at least this fraction of the document's tokens "
+                                 "is cached, 0-1 (e.g. 0.9)")] = None) -> None:
     """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why).
 
     \b
     Examples:
       lmctl lookup --model smollm2 --messages chat.json --explain
       lmctl lookup --adapter civil --file contract.txt
+      lmctl -q lookup --file contract.txt --min-hit 0.9 || lmctl warm --file contract.txt
       lmctl --json lookup --key 48c937a7583e21f2
     """
-    _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, _show_lookup)
+    term = Terminal.of(ctx)
+    if min_hit is not None and not 0 <= min_hit <= 1:
+        raise typer.Exit(term.report("usage", f"--min-hit must be a fraction between 0 and 1 (0.9: 90%), not "
+                                              f"{min_hit:g}"))
+
+    def enough(r: dict[str, Any]) -> bool:
+        if min_hit is None:
+            return True
+        total = r.get("total_tokens") or 0
+        got = r["hit_tokens"] / total if total else 0.0
+        if got >= min_hit:
+            return True
+        if not term.json:  # JSON says it all: the result, and the exit status
+            print(f"lmctl: {100 * got:.1f}% of the document is cached ({r['hit_tokens']} of {total} tokens), "
+                  f"below --min-hit {min_hit:g}", file=term.err)
+        return False
+
+    # a gate under --quiet: the exit status is the answer, the line below says why it failed
+    show: Show = (lambda t, r: None) if term.quiet and min_hit is not None else _show_lookup
+    _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, show, ok=enough)
 
 
 def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:

@@ -284,3 +284,27 @@ def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon) ->
     assert r["chunks"] == 5
     with library(big) as s:
         assert s.locate([bytes.fromhex(k) for k in names[:6]]) == [None] * 5 + ["nvme"]
+
+
+# -- lookup --min-hit -----------------------------------------------------------------------------------
+def test_lookup_min_hit_exits_1_with_one_line_below_the_fraction(daemon: Daemon, tmp_path: Path) -> None:
+    whole = tokens_file(tmp_path, TOKENS)
+    half = tokens_file(tmp_path, TOKENS[:40] + [9] * 24, "half.json")  # 32 of 64 tokens cached
+    r = cli(daemon, "-q", "lookup", "--tokens", whole, "--min-hit", "1")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    r = cli(daemon, "-q", "lookup", "--tokens", half, "--min-hit", "0.9")
+    assert (r.returncode, r.stdout) == (ExitStatus.ERROR, "")
+    assert r.stderr == "lmctl: 50.0% of the document is cached (32 of 64 tokens), below --min-hit 0.9\n"
+    assert cli(daemon, "-q", "lookup", "--tokens", half, "--min-hit", "0.5").returncode == 0  # at least: passes
+    r = cli(daemon, "lookup", "--tokens", half, "--min-hit", "0.9")  # the result is shown, then the line
+    assert r.returncode == 1 and "32 of 64 tokens cached (50%)" in r.stdout and r.stderr.count("\n") == 1
+    r = cli(daemon, "--json", "lookup", "--tokens", half, "--min-hit", "0.9")
+    assert r.returncode == 1 and r.stderr == "" and json.loads(r.stdout)["hit_tokens"] == 32
+    for bad in ("1.5", "-0.1", "nan"):
+        r = cli(daemon, "lookup", "--tokens", half, "--min-hit", bad)
+        assert r.returncode == ExitStatus.USAGE and r.stdout == "" and r.stderr.count("\n") == 1, (bad, r.stderr)
+    # a deploy script's gate, as written in the docs
+    r = subprocess.run(["sh", "-c", f'{sys.executable} -m lmctl.cli --socket {daemon.sock} -q lookup --tokens {half} '
+                                    '--min-hit 0.9 && echo warm || echo cold'],
+                       capture_output=True, text=True, env=env_with_path(), timeout=60)
+    assert r.stdout == "cold\n"
