@@ -172,6 +172,9 @@ def serve(
         "--socket", help="socket path [default: STORE/lmctl.sock]")] = None,
     allow_uid: Annotated[list[int] | None, typer.Option(
         help="also accept clients of this uid; repeatable (the socket must be reachable: see --socket-mode)")] = None,
+    allow_uid_ro: Annotated[list[int] | None, typer.Option(
+        "--allow-uid-ro", help="also accept clients of this uid for reads only (status, ls, lookup, inspect, "
+                               "events, verify, top, dry runs); repeatable")] = None,
     socket_mode: Annotated[str | None, typer.Option(
         help="the socket's mode, octal; 0660 with --socket-group shares it with a group [default: 0600]")] = None,
     socket_group: Annotated[str | None, typer.Option(help="the socket's group: a group name or gid")] = None,
@@ -229,13 +232,19 @@ def serve(
             interval = check_interval(maintenance_interval if maintenance_interval is not None else daemon.get(
                 "maintenance_interval", 30))
             uids = [check_id(u, "--allow-uid") for u in allow_uid or daemon.get("allow_uid") or []]
+            ro_uids = [check_id(u, "--allow-uid-ro") for u in allow_uid_ro or daemon.get("allow_uid_ro") or []]
+            both = sorted(set(uids) & set(ro_uids))
+            if both:
+                raise CommandError("usage", f"uid {both[0]} is given both full (--allow-uid) and read-only "
+                                            "(--allow-uid-ro) access: give one")
             mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
                                       socket_group or daemon.get("socket_group"))
             logging.basicConfig(stream=term.err, level=getattr(logging, level),
                                 format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
             listen = metrics or daemon.get("metrics")
             clean = Daemon(store_dir, sock, uids, interval, socket_mode=mode, socket_group=gid, init=init,
-                           settings=changes, metrics=None if listen is None else str(listen)).serve()
+                           settings=changes, metrics=None if listen is None else str(listen),
+                           allow_ro_uids=ro_uids).serve()
         raise typer.Exit(ExitStatus.OK if clean else ExitStatus.ERROR)
 
     term.run(body)

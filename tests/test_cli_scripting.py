@@ -7,6 +7,7 @@ against a real daemon (``test_daemon.Daemon``) and the real command line (in thi
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -19,10 +20,12 @@ from pathlib import Path
 import pytest
 from conftest import content, env_with_path
 from test_cli import lmctl
-from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, library, tokens_file
+from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, fill, library, tokens_file
 
 from lmctl.terminal import ExitStatus
 from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+from stress.users import as_user, call, open_folder, throwaway_user
+from stress.users import cli as run_cli
 
 #: chunks of 512 KiB: a few dozen fill more than the smallest capacity a tier takes (16 MiB)
 BIG = KVFormat("bfloat16", num_layers=8, num_kv_heads=8, head_dim=128, chunk_size=16)
@@ -308,3 +311,64 @@ def test_lookup_min_hit_exits_1_with_one_line_below_the_fraction(daemon: Daemon,
                                     '--min-hit 0.9 && echo warm || echo cold'],
                        capture_output=True, text=True, env=env_with_path(), timeout=60)
     assert r.stdout == "cold\n"
+
+
+# -- serve --allow-uid-ro ------------------------------------------------------------------------------
+READS = [["status"], ["ls", "--limit", "0"], ["inspect"], ["events"], ["verify"], ["config", "show"],
+         ["top", "--interval", "0.1"], ["evict", "--model", "m", "--dry-run"]]
+CHANGES = [(["evict", "--model", "m"], "evict"), (["config", "set", "codec_level=3"], "config set"),
+           (["verify", "--fix"], "verify --fix"), (["unpin", "--label", "ro"], "unpin"),
+           (["compress", "--model", "m"], "compress"), (["move", "--to", "nvme", "--model", "m"], "move")]
+
+
+def test_a_read_only_uid_reads_and_is_denied_every_change(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a second user and switch to it")
+    fill(tmp_path / "store")
+    with throwaway_user() as user, open_folder() as shared:
+        doc = Path(shared) / "doc.json"
+        doc.write_text(json.dumps(TOKENS))
+        os.chmod(doc, 0o644)
+        d = Daemon(tmp_path / "store", Path(shared) / "lmctl.sock",
+                   ["--allow-uid-ro", str(user.uid), "--socket-mode", "0666"])
+        d.start()
+        try:
+            sock = str(d.sock)
+            assert run_cli("--socket", sock, "pin", "--label", "ro", "--tokens", str(doc))["rc"] == 0
+            lines = [*READS, ["--json", "lookup", "--tokens", str(doc)], *(c for c, _ in CHANGES)]
+            for args in lines:  # as the owner first: a child of another uid finds the modules loaded
+                dry = args[0] in ("evict", "compress", "move", "unpin", "config") and args[:2] != ["config", "show"]
+                run_cli("--socket", sock, *args, "--dry-run" if dry and "--dry-run" not in args else "--json")
+            before = cj(d, "ls", "--limit", "0")
+            for args in READS:
+                out = as_user(user, run_cli, "--socket", sock, *args)
+                assert out["rc"] == 0, (args, out)
+            got = json.loads(as_user(user, run_cli, "--socket", sock, "--json", "lookup", "--tokens", str(doc))
+                             ["stdout"])
+            assert got["hit_tokens"] == 64
+            for args, what in CHANGES:
+                out = as_user(user, run_cli, "--socket", sock, *args)
+                assert out["rc"] == ExitStatus.ERROR and out["stdout"] == "", (args, out)
+                assert out["stderr"] == (f"lmctl: uid {user.uid} may only read this store (serve --allow-uid-ro): "
+                                         f"{what} changes it; --dry-run shows what it would do, or ask the store's "
+                                         f"owner (uid 0)\n"), out
+            # through the protocol too, whatever the client: every op that changes something
+            for cmd, args in [("pin", {"label": "x", "keys": [NS.chunk_keys(TOKENS)[0].hex()]}),
+                              ("warm", {"label": "ro"}), ("warm", {"label": "ro", "dry_run": True}),
+                              ("config", {"set": {"codec": "zstd"}}), ("evict", {"label": "ro", "dry_run": 1})]:
+                r = as_user(user, call, sock, cmd, args)
+                assert r.get("error") == "denied", (cmd, args, r)
+            assert as_user(user, call, sock, "frobnicate", {}).get("error") == "usage"
+            # nothing changed; the owner still changes anything
+            assert cj(d, "ls", "--limit", "0") == before
+            assert cj(d, "config", "show")["settings"]["codec_level"] == 1
+            assert cj(d, "evict", "--model", "m")["chunks"] == 2
+        finally:
+            assert d.stop() == 0
+    # a uid given both kinds of access is a usage error; the config file's [daemon] takes the list
+    r = cli(None, "serve", "--store", str(tmp_path / "store"), "--allow-uid", "4242", "--allow-uid-ro", "4242")
+    assert r.returncode == 2 and "both full (--allow-uid) and read-only" in r.stderr
+    conf = tmp_path / "lmctl.toml"
+    conf.write_text("[daemon]\nallow_uid_ro = [\"x\"]\n")
+    r = cli(None, "serve", "--store", str(tmp_path / "store"), "--config", str(conf))
+    assert r.returncode == 2 and "allow_uid_ro must be a list of uids" in r.stderr
