@@ -292,6 +292,30 @@ def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tup
     return mode, gid
 
 
+def sd_notify(state: str) -> bool:
+    """Tell the service manager how the daemon is (systemd's ``Type=notify``: ``READY=1``,
+    ``STOPPING=1``): one datagram to ``$NOTIFY_SOCKET`` (a path, or ``@name`` for an abstract
+    socket). Without it, does nothing; a send that fails is logged, never fatal. Whether it
+    was sent."""
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    elif not addr.startswith("/"):
+        log.warning("NOTIFY_SOCKET=%s is neither a path nor @name: readiness not reported", addr)
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(5.0)
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as exc:
+        log.warning("could not notify the service manager (%s) on NOTIFY_SOCKET: %s", state.split("\n")[0], exc)
+        return False
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
@@ -502,6 +526,8 @@ class Daemon:
         log.info("lmctl %s serving store %s on %s (pid %d)", __version__, self.store_dir, self.socket_path,
                  os.getpid())
         threads: list[threading.Thread] = []
+        # the socket is listening and the store open: a Type=notify unit is started now
+        sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.store_dir} on {self.socket_path}")
         try:
             while not self._stop.is_set():
                 try:
@@ -532,6 +558,7 @@ class Daemon:
                 threads.append(t)
         finally:
             log.info("shutting down")
+            sd_notify("STOPPING=1")
             self._stop.set()
             listener.close()
             try:

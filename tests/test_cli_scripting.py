@@ -372,3 +372,45 @@ def test_a_read_only_uid_reads_and_is_denied_every_change(tmp_path: Path) -> Non
     conf.write_text("[daemon]\nallow_uid_ro = [\"x\"]\n")
     r = cli(None, "serve", "--store", str(tmp_path / "store"), "--config", str(conf))
     assert r.returncode == 2 and "allow_uid_ro must be a list of uids" in r.stderr
+
+
+# -- systemd Type=notify ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("abstract", [False, True])
+def test_serve_tells_notify_socket_ready_once_it_serves_and_stopping_on_sigterm(tmp_path: Path,
+                                                                               abstract: bool) -> None:
+    import socket
+
+    fill(tmp_path / "store")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"lmctl-test-notify-{os.getpid()}-{time.monotonic_ns()}"
+    listener.bind("\0" + name if abstract else str(tmp_path / "notify"))
+    listener.settimeout(30)
+    env = env_with_path()
+    env["NOTIFY_SOCKET"] = "@" + name if abstract else str(tmp_path / "notify")
+    d = Daemon(tmp_path / "store", env=env)
+    try:
+        d.start(wait=False)
+        ready = listener.recv(4096).decode()
+        # READY=1 comes once the socket answers and the store is open: a request succeeds at once
+        lines = ready.split("\n")
+        assert lines[0] == "READY=1" and lines[1] == f"MAINPID={d.proc.pid}" and lines[2].startswith("STATUS=serving")
+        assert cj(d, "status")["store"]["tiers"]["nvme"]["chunks"] == 6
+        assert d.stop() == 0
+        assert listener.recv(4096) == b"STOPPING=1"
+    finally:
+        if d.proc is not None:
+            d.proc.kill()
+        listener.close()
+
+
+def test_serve_without_a_listening_notify_socket_still_serves(tmp_path: Path) -> None:
+    fill(tmp_path / "store")
+    env = env_with_path()
+    env["NOTIFY_SOCKET"] = str(tmp_path / "nobody-listens")
+    d = Daemon(tmp_path / "store", env=env)
+    d.start()
+    try:
+        assert cj(d, "status")["daemon"]["pid"] == d.proc.pid
+    finally:
+        assert d.stop() == 0
+    assert d.proc is None
