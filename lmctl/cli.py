@@ -616,17 +616,20 @@ def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.
 
     def show(term: Terminal, r: dict[str, Any]) -> None:
         if r["dry_run"]:
-            _show_victims(term, r["keys"])
+            _show_victims(term, r["keys"], r["chunks"])
         term.say(line(r))
 
-    _request(ctx, "evict", {**sel, "force": force, "dry_run": dry_run}, show, long=True)
+    # a table shows the first rows; scripts (-o name|tsv, --json) get them all
+    rows = (1 << 40) if term.json or output in ("name", "tsv") else VICTIM_ROWS + 1
+    _request(ctx, "evict", {**sel, "force": force, "dry_run": dry_run, **({"list": rows} if dry_run else {})},
+             show, long=True)
 
 
 #: rows of a dry run's table at most (``-o name`` and ``-o tsv`` list them all)
 VICTIM_ROWS = 1000
 
 
-def _show_victims(term: Terminal, rows: list[dict[str, Any]]) -> None:
+def _show_victims(term: Terminal, rows: list[dict[str, Any]], total: int) -> None:
     """What ``evict --dry-run`` would evict: a table, TSV, or keys (``-o name``)."""
     if term.output == "name":
         keys_only(term, [x["key"] for x in rows])
@@ -639,8 +642,8 @@ def _show_victims(term: Terminal, rows: list[dict[str, Any]]) -> None:
     term.table(None, ["key" if wide else "chunk hash", "tier", "bytes", "pins"],
                [[x["key"] if wide else chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["pins"])]
                 for x in rows[:VICTIM_ROWS]], {"bytes", "pins"})
-    if len(rows) > VICTIM_ROWS:
-        term.say(f"... and {len(rows) - VICTIM_ROWS} more (-o name or -o tsv lists them all)")
+    if total > VICTIM_ROWS:
+        term.say(f"... and {total - VICTIM_ROWS} more (-o name or -o tsv lists them all)")
 
 
 @app.command()

@@ -175,10 +175,16 @@ MAX_LIMIT = 1 << 40
 
 def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Evict what a selector picks. Filters are counted (a dry run reads only the index's
-    counts) and streamed in key order, a batch per transaction: nothing holds the whole list."""
+    counts) and streamed in key order, a batch per transaction: nothing holds the whole list.
+    A dry run with ``list`` N also streams the first N chunks it would evict, as the rows of
+    ``keys`` (``key``, ``tier``, ``bytes`` on disk, ``pins``)."""
     force = arg(args, "force", bool, False)
     dry_run = arg(args, "dry_run", bool, False)
+    listing = arg(args, "list", int, 0) if dry_run else 0
+    if not 0 <= listing <= MAX_LIMIT:
+        raise UsageError(f"argument 'list' must be 0 (no listing) or a number of rows up to {MAX_LIMIT}")
     scope = _evict_scope(store, args)
+    counted: Counts | None = None
     if scope is None:
         keys = list(dict.fromkeys(select(store, args).keys))
         infos: Iterable[ChunkInfo] = (i for i in (store.info(k) for k in keys) if i is not None)
@@ -187,24 +193,33 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         if not filters_of(args) and scope.only is None:
             select(store, args)  # no selector at all: the usage error that says how to choose
         infos = scope.stream(store)
-        total = scope.count(store).chunks if scope.countable else 0
-    n = b = pinned_seen = 0
+        if scope.countable:
+            counted = scope.count(store)
+        total = counted.chunks if counted is not None else 0
+    n = b = pinned_seen = listed = 0
     batch: list[ChunkInfo] = []
 
     def flush() -> None:
-        nonlocal n, b, batch
-        if dry_run:  # what would go, streamed to the client as the listing "keys"
+        nonlocal n, b, batch, listed
+        if dry_run:
             n += len(batch)
             b += sum(i.disk_bytes for i in batch)
-            job.emit([{"key": i.key.hex(), "tier": i.tier, "bytes": i.disk_bytes, "pins": i.pin_refs}
-                      for i in batch], into="keys")
+            shown = batch[: max(0, listing - listed)]
+            if shown:  # what would go, streamed to the client as the listing "keys"
+                job.emit([{"key": i.key.hex(), "tier": i.tier, "bytes": i.disk_bytes, "pins": i.pin_refs}
+                          for i in shown], into="keys")
+                listed += len(shown)
         else:
             got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
             n += got.chunks
             b += got.bytes
         batch = []
 
+    # a dry run of counted filters reads the counts, and the stream only for the rows it lists
+    from_counts = dry_run and counted is not None
     for seen, info in enumerate(infos):
+        if from_counts and listed >= listing:
+            break
         if seen % EVICT_BATCH == 0:
             job.progress(seen, max(total, seen), "evicting")
         if info.pin_refs > 0:
@@ -216,10 +231,14 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             flush()
     if batch:
         flush()
+    if from_counts:
+        assert counted is not None
+        victims = counted if force else counted.unpinned()
+        n, b, pinned_seen = victims.chunks, victims.disk_bytes, counted.pinned_chunks
     job.progress(max(total, n), max(total, n), "evicting")
     out: dict[str, Any] = {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
                            "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
-    if dry_run:
+    if listing:
         out["keys"] = []  # the rows streamed (the client appends them here)
     return out
 

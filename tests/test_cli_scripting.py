@@ -22,6 +22,7 @@ from conftest import content, env_with_path
 from test_cli import lmctl
 from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, fill, library, tokens_file
 
+from lmctl.client import Client
 from lmctl.terminal import ExitStatus
 from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
 from stress.users import as_user, call, open_folder, throwaway_user
@@ -265,7 +266,7 @@ def test_config_set_dry_run_says_what_a_smaller_capacity_would_evict(big: Daemon
     assert pinned <= {c["key"] for c in after["chunks"]}
 
 
-def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon) -> None:
+def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     everything = cj(big, "ls", "--limit", "0")["chunks"]
     unpinned = [c["key"] for c in everything if not c["pins"]]
     r = cj(big, "evict", "--model", "big", "--dry-run")
@@ -282,6 +283,19 @@ def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon) ->
     tsv = cli(big, "evict", "--model", "big", "--dry-run", "-o", "tsv", "--no-headers").stdout.splitlines()
     assert [x.split("\t")[0] for x in tsv] == unpinned and tsv[0].split("\t")[1] == "nvme"
     assert cli(big, "evict", "--model", "big", "-o", "name").returncode == 2  # -o lists a dry run only
+    # a table shows the first rows and says how many more there are
+    monkeypatch.setattr("lmctl.cli.VICTIM_ROWS", 10)
+    h2 = lmctl(big, "evict", "--model", "big", "--dry-run")
+    assert h2.exit_code == 0 and unpinned[9][32:48] in h2.stdout and unpinned[10][32:48] not in h2.stdout
+    assert "... and 26 more (-o name or -o tsv lists them all)" in h2.stdout
+    # the protocol: counts alone unless a listing is asked for (a dry run of filters reads the counts)
+    c = Client(str(big.sock))
+    try:
+        assert "keys" not in c.call("evict", {"model": "big", "dry_run": True})
+        few = c.call("evict", {"model": "big", "dry_run": True, "list": 3})
+        assert (few["chunks"], [x["key"] for x in few["keys"]]) == (36, unpinned[:3])
+    finally:
+        c.close()
     assert cj(big, "ls", "--limit", "0")["chunks"] == everything  # nothing evicted so far
     r = cj(big, "evict", *[w for k in names[:5] for w in ("--key", k)])
     assert r["chunks"] == 5
