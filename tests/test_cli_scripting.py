@@ -90,6 +90,15 @@ def test_quiet_keeps_data_errors_and_exit_codes_and_drops_the_rest(daemon: Daemo
     assert set(cj(daemon, "inspect")["labels"]) == {"q2", "q3"}
 
 
+def test_quiet_serve_logs_warnings_only(tmp_path: Path) -> None:
+    fill(tmp_path / "store")
+    d = Daemon(tmp_path / "store", extra=["-q"])
+    proc = d.start()
+    assert cj(d, "status")["daemon"]["pid"] == proc.pid
+    assert d.stop() == 0
+    assert proc.stderr is not None and " INFO " not in proc.stderr.read()
+
+
 # -- -o/--output and --no-headers ------------------------------------------------------------------
 def test_ls_output_formats_paste_back_into_key(daemon: Daemon, tmp_path: Path) -> None:
     keys = [c["key"] for c in cj(daemon, "ls", "--limit", "0")["chunks"]]
