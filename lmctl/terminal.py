@@ -242,9 +242,9 @@ class Terminal:
         return "auto" if self.color is None else "standard" if self.color else None
 
     def table(self, title: str | None, cols: list[str], rows: list[list[Any]], right: set[str] | None = None) -> None:
-        """A table: rich's, or under ``-o tsv`` tab-separated lines (a header line first unless
-        ``--no-headers``; a value's tabs and newlines escaped). ``--no-headers`` (and ``--quiet``)
-        leave the header and the title out."""
+        """A table: rich's, or under ``-o tsv`` tab-separated lines (a header line first; a
+        value's tabs and newlines escaped). ``--no-headers`` and ``--quiet`` leave the header,
+        the title and the borders out."""
         from rich import box
         from rich.table import Table
         from rich.text import Text
@@ -253,7 +253,7 @@ class Terminal:
         if bare and not rows:
             return
         if self.output == "tsv":
-            lines = [] if self.no_headers else ["\t".join(cols)]
+            lines = [] if bare else ["\t".join(cols)]
             lines += ["\t".join(printable(c.plain if isinstance(c, Text) else str(c)) for c in r) for r in rows]
             if lines:
                 self.echo("\n".join(lines))

@@ -437,3 +437,8 @@ def test_serve_without_a_listening_notify_socket_still_serves(tmp_path: Path) ->
     finally:
         assert d.stop() == 0
     assert d.proc is None
+
+
+def test_quiet_tsv_is_rows_alone(daemon: Daemon) -> None:
+    loud = cli(daemon, "ls", "--limit", "0", "-o", "tsv").stdout.splitlines()
+    assert cli(daemon, "-q", "ls", "--limit", "0", "-o", "tsv").stdout.splitlines() == loud[1:]
