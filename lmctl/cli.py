@@ -43,6 +43,9 @@ def _main(
     socket_path: Annotated[str | None, typer.Option(
         "--socket", envvar="LMCTL_SOCKET", help="daemon socket [default: $LMCTL_STORE/lmctl.sock]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output (numbers as numbers)")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "-q", "--quiet", help="data and errors only: no summaries, notices or progress (the exit status says "
+                              "how it went); list commands print their rows alone")] = False,
     daemon_uid: Annotated[str | None, typer.Option(
         "--daemon-uid", envvar="LMCTL_DAEMON_UID", metavar="UID[,UID...]",
         help="also trust a daemon run by this uid or user (the CLI refuses any other but yours and root's)")] = None,
@@ -63,6 +66,7 @@ def _main(
         except ValueError as exc:
             raise CommandError("usage", str(exc)) from None
     term.json = term.json or as_json
+    term.quiet = term.quiet or quiet
     ctx.obj = term
     if ctx.invoked_subcommand is None:  # only global options (lmctl --json)
         raise typer.Exit(Lmctl.missing_command(term, ctx))
@@ -109,6 +113,36 @@ def write_amplification(r: dict[str, Any]) -> str:
 
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="show what would change; change nothing")]
+#: how a listing is printed (``-o``): see ``_formats``
+OUTPUTS = ("wide", "tsv", "name")
+Output = Annotated[str | None, typer.Option(
+    "-o", "--output", help="wide (a table with full keys), tsv (tab-separated values, raw numbers and ISO times, "
+                           "a header line first) or name (one full chunk key a line, for --key)",
+    autocompletion=complete_values("--output"))]
+NoHeaders = Annotated[bool, typer.Option("--no-headers", help="leave out the header line (tables and -o tsv)")]
+
+
+def _formats(ctx: typer.Context, output: str | None, no_headers: bool) -> Terminal:
+    """The terminal of a listing, with its ``-o`` and ``--no-headers``."""
+    term = Terminal.of(ctx)
+    if output is not None and output not in OUTPUTS:
+        raise typer.Exit(term.report("usage", f"-o/--output must be wide, tsv or name, not {output!r}"))
+    if output is not None and term.json:
+        raise typer.Exit(term.report("usage", f"--json and -o {output} are two output formats: give one"))
+    term.output, term.no_headers = output, no_headers
+    return term
+
+
+def iso_time(t: float) -> str:
+    """A time for scripts: ISO 8601, local, with its offset (2026-12-01T10:32:05+0100)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def keys_only(term: Terminal, keys: list[str | None]) -> None:
+    """``-o name``: one full chunk key a line (what ``--key`` takes back)."""
+    shown = [k for k in keys if k]
+    if shown:
+        term.echo("\n".join(shown))
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -138,6 +172,9 @@ def serve(
         "--socket", help="socket path [default: STORE/lmctl.sock]")] = None,
     allow_uid: Annotated[list[int] | None, typer.Option(
         help="also accept clients of this uid; repeatable (the socket must be reachable: see --socket-mode)")] = None,
+    allow_uid_ro: Annotated[list[int] | None, typer.Option(
+        "--allow-uid-ro", help="also accept clients of this uid for reads only (status, ls, lookup, inspect, "
+                               "events, verify, top, dry runs); repeatable")] = None,
     socket_mode: Annotated[str | None, typer.Option(
         help="the socket's mode, octal; 0660 with --socket-group shares it with a group [default: 0600]")] = None,
     socket_group: Annotated[str | None, typer.Option(help="the socket's group: a group name or gid")] = None,
@@ -188,19 +225,26 @@ def serve(
             # the socket: serve's --socket, else the global --socket / $LMCTL_SOCKET, else the file's
             sock = socket_path or (term.address if term.socket_given or os.environ.get("LMCTL_SOCKET") else None)
             sock = sock or daemon.get("socket")
-            level = (log_level or daemon.get("log_level") or "info").upper()
+            # --quiet: the daemon logs warnings and errors only, unless a level is given
+            level = (log_level or daemon.get("log_level") or ("warning" if term.quiet else "info")).upper()
             if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
                 raise CommandError("usage", f"--log-level must be debug, info, warning or error, not {level.lower()!r}")
             interval = check_interval(maintenance_interval if maintenance_interval is not None else daemon.get(
                 "maintenance_interval", 30))
             uids = [check_id(u, "--allow-uid") for u in allow_uid or daemon.get("allow_uid") or []]
+            ro_uids = [check_id(u, "--allow-uid-ro") for u in allow_uid_ro or daemon.get("allow_uid_ro") or []]
+            both = sorted(set(uids) & set(ro_uids))
+            if both:
+                raise CommandError("usage", f"uid {both[0]} is given both full (--allow-uid) and read-only "
+                                            "(--allow-uid-ro) access: give one")
             mode, gid = socket_access(socket_mode or daemon.get("socket_mode") or "0600",
                                       socket_group or daemon.get("socket_group"))
             logging.basicConfig(stream=term.err, level=getattr(logging, level),
                                 format="%(asctime)s lmctl[%(process)d] %(levelname)s %(message)s")
             listen = metrics or daemon.get("metrics")
             clean = Daemon(store_dir, sock, uids, interval, socket_mode=mode, socket_group=gid, init=init,
-                           settings=changes, metrics=None if listen is None else str(listen)).serve()
+                           settings=changes, metrics=None if listen is None else str(listen),
+                           allow_ro_uids=ro_uids).serve()
         raise typer.Exit(ExitStatus.OK if clean else ExitStatus.ERROR)
 
     term.run(body)
@@ -309,8 +353,10 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
 
     d = r["daemon"]
     c = term.console()
-    c.print(f"lmctl {d['version']} serving [bold]{escape(printable(r['store']['path']))}[/bold] on "
-            f"{escape(printable(d['socket']))} (pid {d['pid']}, up {d['uptime_s']:.0f} s, {d['clients']} client(s))")
+    if term.chatty:
+        c.print(f"lmctl {d['version']} serving [bold]{escape(printable(r['store']['path']))}[/bold] on "
+                f"{escape(printable(d['socket']))} (pid {d['pid']}, up {d['uptime_s']:.0f} s, "
+                f"{d['clients']} client(s))")
     if r["store"].get("readonly"):
         term.say(f"read-only: {r['store']['readonly_reason']}; hits are served, saves refused "
                  f"({r['store'].get('refused_saves', 0)} refused by the daemon; engines count theirs as "
@@ -369,6 +415,11 @@ def _maintenance_line(m: dict[str, Any]) -> str:
 
 
 def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
+    if term.output == "tsv":  # raw numbers
+        term.table(None, ["tier", "chunks", "bytes", "disk_bytes", "capacity", "pinned_bytes"],
+                   [[name, v["chunks"], v["bytes"], v.get("disk_bytes", v["bytes"]), v["capacity"],
+                     v.get("pinned_bytes", 0)] for name, v in tiers.items()])
+        return
     rows = []
     for name, v in tiers.items():
         cap = v["capacity"]
@@ -382,16 +433,39 @@ def _tiers(term: Terminal, tiers: dict[str, Any]) -> None:
 @app.command()
 @with_selectors
 def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typer.Option(
-        "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False) -> None:
+        "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False,
+           min_hit: Annotated[float | None, typer.Option(
+               "--min-hit", help="exit 1 (with one line) unless at least this fraction of the document's tokens "
+                                 "is cached, 0-1 (e.g. 0.9)")] = None) -> None:
     """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why).
 
     \b
     Examples:
       lmctl lookup --model smollm2 --messages chat.json --explain
       lmctl lookup --adapter civil --file contract.txt
+      lmctl -q lookup --file contract.txt --min-hit 0.9 || lmctl warm --file contract.txt
       lmctl --json lookup --key 48c937a7583e21f2
     """
-    _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, _show_lookup)
+    term = Terminal.of(ctx)
+    if min_hit is not None and not 0 <= min_hit <= 1:
+        raise typer.Exit(term.report("usage", f"--min-hit must be a fraction between 0 and 1 (0.9: 90%), not "
+                                              f"{min_hit:g}"))
+
+    def enough(r: dict[str, Any]) -> bool:
+        if min_hit is None:
+            return True
+        total = r.get("total_tokens") or 0
+        got = r["hit_tokens"] / total if total else 0.0
+        if got >= min_hit:
+            return True
+        if not term.json:  # JSON says it all: the result, and the exit status
+            print(f"lmctl: {100 * got:.1f}% of the document is cached ({r['hit_tokens']} of {total} tokens), "
+                  f"below --min-hit {min_hit:g}", file=term.err)
+        return False
+
+    # a gate under --quiet: the exit status is the answer, the line below says why it failed
+    show: Show = (lambda t, r: None) if term.quiet and min_hit is not None else _show_lookup
+    _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, show, ok=enough)
 
 
 def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
@@ -431,15 +505,25 @@ def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
            kind: Annotated[list[str] | None, typer.Option(
                help="evict, corrupt, save-dropped, pin or unpin; repeatable",
                autocompletion=complete_values("--kind"))] = None,
-           limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50) -> None:
+           limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50,
+           output: Output = None, no_headers: NoHeaders = False,
+           follow: Annotated[bool, typer.Option(
+               "-f", "--follow", help="then print new events as they come, until Ctrl-C or SIGTERM "
+                                      "(--json: one JSON line per event)")] = False,
+           interval: Annotated[float, typer.Option(
+               help="with --follow: seconds between two looks at the log, 0.1-60")] = 1.0) -> None:
     """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals).
 
     \b
     Examples:
       lmctl events --since 1h --kind evict
+      lmctl events --follow --kind evict --kind corrupt
+      lmctl events -o tsv --limit 0 > events.tsv
       lmctl --json events --limit 0 | jq '.events[] | select(.kind == "corrupt")'
     """
     from .units import parse_duration
+
+    term = _formats(ctx, output, no_headers)
 
     def args() -> dict[str, Any]:
         out: dict[str, Any] = {"limit": limit}
@@ -452,7 +536,79 @@ def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
             out["kind"] = list(kind)
         return out
 
-    _request(ctx, "events", args, _show_events)
+    if not follow:
+        _request(ctx, "events", args, _show_events)
+        return
+
+    def body() -> None:
+        if not 0.1 <= interval <= 60:
+            raise CommandError("usage", f"--interval must be between 0.1 and 60 seconds, not {interval}")
+        _follow_events(term, args(), interval)
+
+    term.run(body)
+
+
+def _follow_events(term: Terminal, first: dict[str, Any], interval: float) -> None:
+    """``events --follow``: the events ``first`` asks for, then each new one as it comes (a
+    look at the log every ``interval`` seconds, over one connection), until Ctrl-C (exit 130)
+    or SIGTERM (exit 0)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    kept, term.keep_open = term.keep_open, True
+    header = [not (term.no_headers or term.quiet or term.json or term.output == "name")]
+    try:
+        r = term.call("events", first)
+        _event_lines(term, r["events"], header)
+        after = int(r["last_seq"])
+        nxt = {k: v for k, v in first.items() if k == "kind"}
+        while not stop.is_set():
+            end = time.monotonic() + interval
+            while not stop.is_set() and time.monotonic() < end:  # SIGTERM is heard within 0.1 s
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+            if stop.is_set():
+                break
+            r = term.call("events", {**nxt, "limit": 0, "after": after})
+            _event_lines(term, r["events"], header)
+            after = max(after, int(r["last_seq"]))
+    except KeyboardInterrupt:  # Ctrl-C ends a follow: no job to cancel, nothing to say
+        raise typer.Exit(ExitStatus.INTERRUPTED) from None
+    finally:
+        term.keep_open = kept
+        if not kept:
+            term.hang_up()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _event_lines(term: Terminal, events: list[dict[str, Any]], header: list[bool]) -> None:
+    """Events as ``--follow`` prints them, a line each as they come (a table would wait for
+    its widest row): JSON lines, keys, TSV or aligned columns. ``header``: whether the
+    header line is still to print (printed once, before the first event)."""
+    if not events:
+        return
+    if term.json:
+        lines = [json.dumps(e) for e in events]
+    elif term.output == "name":
+        lines = [e["key"] for e in events if e.get("key")]
+    elif term.output == "tsv":
+        lines = ["\t".join(printable(str(c)) for c in [iso_time(e["time"]), e["kind"], e["reason"], e["chunks"],
+                 *("" if e.get(k) is None else e[k] for k in EVENT_FIELDS)]) for e in events]
+        if header[0]:
+            lines.insert(0, "\t".join(["time", "kind", "reason", "chunks", *EVENT_FIELDS]))
+    else:
+        lines = [printable(f"{local_time(e['time'])}  {e['kind']:<12} {e['reason']:<15} {e['chunks']:>6}  "
+                           f"{event_details(term, e)}".rstrip()) for e in events]
+        if header[0]:
+            lines.insert(0, f"{'time':<25}  {'kind':<12} {'reason':<15} {'chunks':>6}  details")
+    header[0] = False
+    if lines:
+        term.echo("\n".join(lines))
+        term.out.flush()  # each event for the reader of a pipe as it comes
 
 
 def local_time(t: float) -> str:
@@ -470,19 +626,34 @@ def user(uid: int) -> str:
         return str(uid)
 
 
+EVENT_FIELDS = ("tier", "label", "uid", "bytes", "key", "detail")
+
+
+def event_details(term: Terminal, e: dict[str, Any]) -> str:
+    """An event's details for people: tier, label, user, size, first chunk, detail."""
+    what = [f"{k} {e[k]}" for k in ("tier", "label") if e.get(k) is not None]
+    if e.get("uid") is not None:
+        what.append(f"uid {user(e['uid'])}")
+    if e.get("bytes"):
+        what.append(human(e["bytes"]))
+    if e.get("key"):
+        what.append(f"first chunk {e['key'] if term.output == 'wide' else chunk_id(e['key'])}")
+    if e.get("detail"):
+        what.append(str(e["detail"]))
+    return ", ".join(what)
+
+
 def _show_events(term: Terminal, r: dict[str, Any]) -> None:
-    rows = []
-    for e in r["events"]:
-        what = [f"{k} {e[k]}" for k in ("tier", "label") if e.get(k) is not None]
-        if e.get("uid") is not None:
-            what.append(f"uid {user(e['uid'])}")
-        if e.get("bytes"):
-            what.append(human(e["bytes"]))
-        if e.get("key"):
-            what.append(f"first chunk {chunk_id(e['key'])}")
-        if e.get("detail"):
-            what.append(str(e["detail"]))
-        rows.append([local_time(e["time"]), e["kind"], e["reason"], str(e["chunks"]), ", ".join(what)])
+    if term.output == "name":
+        keys_only(term, [e.get("key") for e in r["events"]])
+        return
+    if term.output == "tsv":
+        term.table(None, ["time", "kind", "reason", "chunks", *EVENT_FIELDS],
+                   [[iso_time(e["time"]), e["kind"], e["reason"], e["chunks"],
+                     *("" if e.get(k) is None else e[k] for k in EVENT_FIELDS)] for e in r["events"]])
+        return
+    rows = [[local_time(e["time"]), e["kind"], e["reason"], str(e["chunks"]), event_details(term, e)]
+            for e in r["events"]]
     term.table(None, ["time", "kind", "reason", "chunks", "details"], rows, {"chunks"})
     totals = [f"{name} {reason}={n}" for name, by in r["counters"].items() for reason, n in sorted(by.items())]
     term.say(f"{len(r['events'])} event(s) shown (the log keeps the newest {r['limit']}); totals: "
@@ -531,19 +702,57 @@ def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> N
 @app.command()
 @with_selectors
 def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.Option(
-        "--force", help="evict pinned chunks too")] = False, dry_run: DryRun = False) -> None:
-    """Remove chunks from the store (never pinned ones unless --force).
+        "--force", help="evict pinned chunks too")] = False, dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="list what would go (keys and sizes) and evict nothing")] = False,
+          output: Output = None, no_headers: NoHeaders = False) -> None:
+    """Remove chunks from the store (never pinned ones unless --force); --dry-run lists what would go.
 
     \b
     Examples:
       lmctl evict --older-than 7d --unpinned --dry-run
+      lmctl evict --older-than 7d --unpinned --dry-run -o name > old.keys
       lmctl evict --adapter civil@3f9a51c2
     """
-    _mutate(ctx, "evict", {**sel, "force": force}, dry_run, lambda r: (
-        f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
-        + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
-        + (f"; {r['pinned_removed']} of them pinned ({'would be' if r['dry_run'] else 'were'} removed by --force; "
-           "their pins stay and protect them when stored again)" if r["pinned_removed"] else "")), long=True)
+    term = _formats(ctx, output, no_headers)
+    if output is not None and not dry_run:
+        raise typer.Exit(term.report("usage", f"-o {output} lists what --dry-run would evict: add --dry-run"))
+
+    def line(r: dict[str, Any]) -> str:
+        return (f"{'would evict' if r['dry_run'] else 'evicted'} {r['chunks']} chunk(s), {human(r['bytes'])}"
+                + (f"; {r['skipped_pinned']} pinned chunk(s) kept" if r["skipped_pinned"] else "")
+                + (f"; {r['pinned_removed']} of them pinned ({'would be' if r['dry_run'] else 'were'} removed by "
+                   "--force; their pins stay and protect them when stored again)" if r["pinned_removed"] else ""))
+
+    def show(term: Terminal, r: dict[str, Any]) -> None:
+        if r["dry_run"]:
+            _show_victims(term, r["keys"], r["chunks"])
+        term.say(line(r))
+
+    # a table shows the first rows; scripts (-o name|tsv, --json) get them all
+    rows = (1 << 40) if term.json or output in ("name", "tsv") else VICTIM_ROWS + 1
+    _request(ctx, "evict", {**sel, "force": force, "dry_run": dry_run, **({"list": rows} if dry_run else {})},
+             show, long=True)
+
+
+#: rows of a dry run's table at most (``-o name`` and ``-o tsv`` list them all)
+VICTIM_ROWS = 1000
+
+
+def _show_victims(term: Terminal, rows: list[dict[str, Any]], total: int) -> None:
+    """What ``evict --dry-run`` would evict: a table, TSV, or keys (``-o name``)."""
+    if term.output == "name":
+        keys_only(term, [x["key"] for x in rows])
+        return
+    if term.output == "tsv":
+        term.table(None, ["key", "tier", "bytes", "pins"], [[x["key"], x["tier"], x["bytes"], x["pins"]]
+                                                            for x in rows])
+        return
+    wide = term.output == "wide"
+    term.table(None, ["key" if wide else "chunk hash", "tier", "bytes", "pins"],
+               [[x["key"] if wide else chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["pins"])]
+                for x in rows[:VICTIM_ROWS]], {"bytes", "pins"})
+    if total > VICTIM_ROWS:
+        term.say(f"... and {total - VICTIM_ROWS} more (-o name or -o tsv lists them all)")
 
 
 @app.command()
@@ -601,7 +810,7 @@ def _compressed(r: dict[str, Any]) -> str:
 
 @app.command("inspect")
 @with_selectors
-def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
+def inspect_(ctx: typer.Context, sel: dict[str, Any], output: Output = None, no_headers: NoHeaders = False) -> None:
     """Store statistics by tier, model, adapter and label, or one chunk's metadata (--key K).
 
     With selectors, the statistics of the chunks they pick.
@@ -609,13 +818,24 @@ def inspect_(ctx: typer.Context, sel: dict[str, Any]) -> None:
     \b
     Examples:
       lmctl inspect
-      lmctl inspect --label contracts
+      lmctl inspect --label contracts -o tsv
       lmctl inspect --key 48c937a7583e21f2
     """
+    term = _formats(ctx, output, no_headers)
+    if output == "name" and not sel.get("keys"):
+        raise typer.Exit(term.report("usage", "-o name prints chunk keys: inspect without --key shows statistics; "
+                                              "lmctl ls -o name lists the keys a selector picks"))
     _request(ctx, "inspect", sel, _show_inspect)
 
 
 def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
+    if "chunk" in r and term.output == "name":
+        keys_only(term, [r["chunk"].get("key")])
+        return
+    if "chunk" in r and term.output == "tsv":
+        term.table(None, ["field", "value"], [[k, "" if v is None else v if isinstance(v, str) else json.dumps(v)]
+                                              for k, v in r["chunk"].items()])
+        return
     if "chunk" in r:
         now = time.time()
 
@@ -632,6 +852,10 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
 
         term.table(None, ["field", "value"], [[k, shown(k, v)] for k, v in r["chunk"].items()])
         return
+    if term.output == "tsv":
+        _inspect_tsv(term, r)
+        return
+    wide = term.output == "wide"
     if "scope" in r:
         term.say(f"selected: {r['chunks']} chunks, {human(r['bytes'])} on disk")
     else:
@@ -640,7 +864,8 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     if r["models"]:
         term.table("models (one row per checkpoint fingerprint)",
                    ["model", "fingerprint", "last used", "chunks", "bytes"],
-                   [[m["model"], (m["fingerprint"] or "-")[:12] + (" (retired)" if m["retired"] else ""),
+                   [[m["model"], (m["fingerprint"] or "-")[:None if wide else 12]
+                     + (" (retired)" if m["retired"] else ""),
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(m["last_used"])) if m["last_used"] else "-",
                      str(m["chunks"]), human(m["bytes"])] for m in r["models"]], {"chunks", "bytes"})
     if r["adapters"]:
@@ -653,6 +878,25 @@ def _show_inspect(term: Terminal, r: dict[str, Any]) -> None:
     term.say(f"hits {k['hits']}  misses {k['misses']}  corrupt {k['corrupt']}  evicted {k['evicted']}")
 
 
+def _inspect_tsv(term: Terminal, r: dict[str, Any]) -> None:
+    """``inspect -o tsv``: a section per table (tiers, models, adapters, labels), a blank line
+    between two; each section's first column names what its rows count."""
+    sections = [lambda: _tiers(term, r["tiers"])]
+    if r["models"]:
+        sections.append(lambda: term.table(None, ["model", "fingerprint", "retired", "last_used", "chunks", "bytes"], [
+            [m["model"], m["fingerprint"] or "", str(m["retired"]).lower(),
+             iso_time(m["last_used"]) if m["last_used"] else "", m["chunks"], m["bytes"]] for m in r["models"]]))
+    if r["adapters"]:
+        sections.append(lambda: term.table(None, ["model", "adapter", "chunks", "bytes"], [
+            [a["model"], a["adapter"] or "", a["chunks"], a["bytes"]] for a in r["adapters"]]))
+    if r["labels"]:
+        sections.append(lambda: term.table(None, ["label", "chunks"], [[k, v] for k, v in r["labels"].items()]))
+    for i, show in enumerate(sections):
+        if i:
+            term.echo()
+        show()
+
+
 @app.command("ls")
 @with_selectors
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
@@ -661,15 +905,17 @@ def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Opt
             help="key, age (oldest first), access (least recently used first) or size (largest first)",
             autocompletion=complete_values("--sort"))] = "key",
         cursor: Annotated[str | None, typer.Option(
-            help="continue a listing where the last page ended (its 'next')")] = None) -> None:
+            help="continue a listing where the last page ended (its 'next')")] = None,
+        output: Output = None, no_headers: NoHeaders = False) -> None:
     """List chunks matching a selector (all chunks without one), a page at a time.
 
     \b
     Examples:
       lmctl ls --label contracts
-      lmctl ls --sort size --limit 10
-      lmctl --json ls --limit 0 --adapter civil | jq -r '.chunks[].key'
+      lmctl ls --sort size --limit 10 -o wide
+      lmctl ls --limit 0 --adapter civil -o name
     """
+    _formats(ctx, output, no_headers)
     _request(ctx, "ls", {**sel, "limit": limit, "sort": sort, **({"cursor": cursor} if cursor else {})}, _show_ls)
 
 
@@ -682,12 +928,24 @@ def ago(seconds: float) -> str:
     return f"{s:.0f}s"
 
 
+LS_TSV = ("key", "tier", "bytes", "tokens", "pins", "hits", "created", "last_access", "model", "adapter", "codec")
+
+
 def _show_ls(term: Terminal, r: dict[str, Any]) -> None:
+    if term.output == "name":
+        keys_only(term, [x["key"] for x in r["chunks"]])
+    elif term.output == "tsv":
+        term.table(None, list(LS_TSV), [[iso_time(x[k]) if k in ("created", "last_access") else
+                                         "" if x[k] is None else x[k] for k in LS_TSV] for x in r["chunks"]])
+    if term.output in ("name", "tsv"):
+        return
     now = time.time()
-    rows = [[chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
+    wide = term.output == "wide"
+    rows = [[x["key"] if wide else chunk_id(x["key"]), x["tier"], human(x["bytes"]), str(x["tokens"]), str(x["pins"]),
              str(x["hits"]), ago(now - x["created"]), ago(now - x["last_access"]) + " ago",
-             x["adapter"] or "(base)"] for x in r["chunks"]]
-    term.table(None, ["chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age", "last access", "adapter"],
+             x["adapter"] or "(base)", *([x["model"] or "-", x["codec"]] if wide else [])] for x in r["chunks"]]
+    term.table(None, ["key" if wide else "chunk hash", "tier", "bytes", "tokens", "pins", "hits", "age",
+                      "last access", "adapter", *(["model", "codec"] if wide else [])],
                rows, {"bytes", "tokens", "pins", "hits", "age", "last access"})
     more = f" (showing {len(r['chunks'])})" if r["truncated"] else ""
     term.say(f"{r['total']} chunk(s), {human(r['bytes'])}{more}")
@@ -931,7 +1189,7 @@ def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
 
     def body() -> None:
         r = {"path": new_secret(path), "bytes": SECRET_BYTES, "mode": "0600"}
-        term.emit(r, lambda t, r: t.console().print(
+        term.emit(r, lambda t, r: t.say(
             f"wrote a new remote secret to {path} (mode 0600); set remote.secret_file to it on every store that "
             "shares the tier"))
 
@@ -964,15 +1222,33 @@ SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k
 @config_app.command("set", epilog=SETTINGS_HELP)
 def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
         metavar="KEY=VALUE", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle",
-        autocompletion=complete_values("KEY=VALUE"))]) -> None:
+        autocompletion=complete_values("KEY=VALUE"))], dry_run: Annotated[bool, typer.Option(
+            "--dry-run", help="check the settings and say what a smaller capacity would evict; change nothing")]
+        = False) -> None:
     """Change store settings (validated, recorded in the store, applied at once).
 
     \b
     Examples:
+      lmctl config set tiers.nvme.capacity=200GiB --dry-run
       lmctl config set tiers.nvme.capacity=500GiB
       lmctl config set codec=zstd-shuffle codec_level=3 retire_after_s=12h
     """
-    _request(ctx, "config", lambda: {"set": _changes(pairs)}, _show_settings)
+    _request(ctx, "config", lambda: {"set": _changes(pairs), **({"dry_run": True} if dry_run else {})},
+             lambda term, r: _show_config_dry_run(term, r) if r.get("dry_run") else
+             None if term.quiet else _show_settings(term, r))
+
+
+def _show_config_dry_run(term: Terminal, r: dict[str, Any]) -> None:
+    term.say(f"would change {', '.join(r['changed'])} (nothing applied)")
+    for name, e in r["evicts"].items():
+        cap = ("" if e["capacity"] == e["capacity_before"] else
+               f" (capacity {human(e['capacity_before'])} -> {human(e['capacity'])})")
+        if e["chunks"]:
+            verb = f"move {e['chunks']} chunk(s), {human(e['bytes'])} to {e['moves_to']}" if e["moves_to"] else \
+                f"evict {e['chunks']} chunk(s), {human(e['bytes'])}"
+            term.say(f"tier {name}: would {verb} at once{cap}")
+        elif cap:
+            term.say(f"tier {name}: nothing would be evicted{cap}")
 
 
 def _changes(pairs: list[str]) -> dict[str, str]:

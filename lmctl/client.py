@@ -202,7 +202,7 @@ class Client:
         self.connect()
         assert self._sock is not None
         rid = next(self._ids)
-        rows: list[Any] = []
+        rows: dict[str, list[Any]] = {}
         heard = False
         try:
             try:
@@ -225,13 +225,14 @@ class Client:
                         p = msg["progress"]
                         progress(int(p.get("done", 0)), int(p.get("total", 0)), str(p.get("what", "")))
                     continue
-                if "rows" in msg:  # a streamed listing: appended to the result's "chunks"
-                    rows.extend(msg["rows"] or [])
+                if "rows" in msg:  # a streamed listing: appended to the result's "chunks" (or "into")
+                    into = msg.get("into", "chunks")
+                    rows.setdefault(into if isinstance(into, str) else "chunks", []).extend(msg["rows"] or [])
                     continue
                 if msg.get("ok"):
                     result = dict(msg.get("result") or {})
-                    if rows:
-                        result["chunks"] = list(result.get("chunks") or []) + rows
+                    for into, got in rows.items():
+                        result[into] = list(result.get(into) or []) + got
                     return result
                 raise RemoteError.of(msg)
         except (BrokenPipeError, ConnectionResetError) as exc:

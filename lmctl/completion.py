@@ -39,6 +39,7 @@ VALUES: dict[str, tuple[str, ...]] = {
     "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": TIERS,
     "--codec": ("zstd-shuffle", "zstd", "raw"),
     "--log-level": ("debug", "info", "warning", "error"),
+    "--output": ("wide", "tsv", "name"),
     "--shell": SHELLS, "SHELL": SHELLS,
     "KEY=VALUE": tuple(k + "=" for k in SETTING_KEYS),
 }

@@ -111,12 +111,12 @@ class Job(OpJob):
             except OSError:
                 raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
 
-    def emit(self, rows: list[dict[str, Any]]) -> None:
+    def emit(self, rows: list[dict[str, Any]], into: str = "chunks") -> None:
         self._check()
         if self.conn is None:
             return
         try:
-            protocol.send(self.conn, {"id": self.rid, "rows": rows})
+            protocol.send(self.conn, {"id": self.rid, "rows": rows, **({} if into == "chunks" else {"into": into})})
         except OSError:
             raise Cancelled(f"{self.cmd} was cancelled: its client went away") from None
 
@@ -309,18 +309,66 @@ def check_socket_path(path: str, given: bool = True) -> None:
                          f"bytes: give a shorter --socket (e.g. /run/lmctl/lmctl.sock)")
 
 
+def sd_notify(state: str) -> bool:
+    """Tell the service manager how the daemon is (systemd's ``Type=notify``: ``READY=1``,
+    ``STOPPING=1``): one datagram to ``$NOTIFY_SOCKET`` (a path, or ``@name`` for an abstract
+    socket). Without it, does nothing; a send that fails is logged, never fatal. Whether it
+    was sent."""
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    elif not addr.startswith("/"):
+        log.warning("NOTIFY_SOCKET=%s is neither a path nor @name: readiness not reported", addr)
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(5.0)
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as exc:
+        log.warning("could not notify the service manager (%s) on NOTIFY_SOCKET: %s", state.split("\n")[0], exc)
+        return False
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
+
+
+#: what a read-only peer (``--allow-uid-ro``) may ask: requests that change nothing
+READ_ONLY_CMDS = frozenset({"status", "metrics", "lookup", "inspect", "ls", "events", "names", "export"})
+#: requests a read-only peer may make as dry runs (they change nothing either)
+DRY_RUN_CMDS = frozenset({"evict", "pin", "unpin", "move", "compress", "config"})
+
+
+def changes_the_store(cmd: str, args: dict[str, Any]) -> str | None:
+    """What a request would change, as a command line names it (None: it changes nothing):
+    ``verify`` with ``fix``, ``config`` with ``set``, any other command but a read, unless it
+    is a dry run."""
+    if cmd in READ_ONLY_CMDS:
+        return None
+    if cmd == "verify":
+        return "verify --fix" if args.get("fix") else None
+    if cmd == "config" and not args.get("set"):
+        return None
+    if cmd in DRY_RUN_CMDS and args.get("dry_run") is True:
+        return None
+    return "config set" if cmd == "config" else cmd
 
 
 class Daemon:
     def __init__(self, store_dir: str, socket_path: str | None = None, allow_uids: Iterable[int] = (),
                  maintenance_s: float = 30.0, socket_mode: int = 0o600, socket_group: int | None = None, *,
-                 init: bool = True, settings: dict[str, Any] | None = None, metrics: str | None = None) -> None:
+                 init: bool = True, settings: dict[str, Any] | None = None, metrics: str | None = None,
+                 allow_ro_uids: Iterable[int] = ()) -> None:
         self.store_dir = os.path.abspath(store_dir)
         self.socket_path = os.path.abspath(socket_path or os.path.join(self.store_dir, "lmctl.sock"))
         check_socket_path(self.socket_path, given=socket_path is not None)
         self.allow = {os.getuid(), *allow_uids}
+        #: uids that may read (status, ls, lookup, ...) and change nothing; full access wins
+        self.allow_ro = set(allow_ro_uids) - self.allow
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.maintenance_s = maintenance_interval(maintenance_s)
@@ -478,10 +526,11 @@ class Daemon:
 
     def _check_access(self) -> None:
         problem = socket_access_problem(self.socket_path, self.store_dir, self.socket_mode, self.socket_group,
-                                        self.allow)
+                                        self.allow | self.allow_ro)
         if problem is not None:
             raise SocketUnreachable(
-                f"--allow-uid: {problem}; pass e.g. --socket /run/lmctl/lmctl.sock --socket-mode 0660 "
+                f"{'--allow-uid/--allow-uid-ro' if self.allow_ro else '--allow-uid'}: {problem}; pass e.g. "
+                "--socket /run/lmctl/lmctl.sock --socket-mode 0660 "
                 "--socket-group lmctl (a folder that user can pass through, a group it is in)")
 
     def serve(self) -> bool:
@@ -540,6 +589,8 @@ class Daemon:
         log.info("lmctl %s serving store %s on %s (pid %d)", __version__, self.store_dir, self.socket_path,
                  os.getpid())
         threads: list[threading.Thread] = []
+        # the socket is listening and the store open: a Type=notify unit is started now
+        sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.store_dir} on {self.socket_path}")
         try:
             while not self._stop.is_set():
                 try:
@@ -556,7 +607,7 @@ class Daemon:
                     uid = protocol.peer_uid(conn)
                 except OSError:
                     uid = -1
-                if uid not in self.allow:
+                if uid not in self.allow and uid not in self.allow_ro:
                     self._deny(conn, uid)
                     continue
                 threads = [x for x in threads if x.is_alive()]
@@ -564,11 +615,13 @@ class Daemon:
                     self._busy_reply(conn, len(threads))
                     continue
                 conn.settimeout(WRITE_TIMEOUT_S)  # sends; reads set their own deadlines
-                t = threading.Thread(target=self._client, args=(conn, uid), name="lmctl-client", daemon=True)
+                t = threading.Thread(target=self._client, args=(conn, uid, uid in self.allow_ro), name="lmctl-client",
+                                     daemon=True)
                 t.start()
                 threads.append(t)
         finally:
             log.info("shutting down")
+            sd_notify("STOPPING=1")
             self._stop.set()
             listener.close()
             try:
@@ -664,8 +717,9 @@ class Daemon:
             m.above_watermark = above
 
     # -- one client ----------------------------------------------------------------
-    def _client(self, conn: socket.socket, uid: int) -> None:
-        """Serve an allowed peer (``uid``, checked at accept) until it hangs up."""
+    def _client(self, conn: socket.socket, uid: int, readonly: bool = False) -> None:
+        """Serve an allowed peer (``uid``, checked at accept; ``readonly``: one of
+        ``--allow-uid-ro``) until it hangs up."""
         st = self.state
         set_caller(uid)  # every request of this connection is this uid's
         with conn:
@@ -684,7 +738,7 @@ class Daemon:
                         return
                     if msg is None or self._stop.is_set():
                         return
-                    self._handle(conn, msg)
+                    self._handle(conn, msg, uid if readonly else None)
             finally:
                 with self._conns_lock:
                     self._conns.pop(conn, None)
@@ -708,7 +762,8 @@ class Daemon:
         seen = self._denied.get(uid)
         if seen is None or now - seen[0] >= DENIED_LOG_EVERY_S:
             more = f" ({seen[1]} more refused since the last report)" if seen is not None and seen[1] else ""
-            log.warning("refused a client of uid %d (allowed: %s)%s", uid, sorted(self.allow), more)
+            log.warning("refused a client of uid %d (allowed: %s%s)%s", uid, sorted(self.allow),
+                        f"; read-only: {sorted(self.allow_ro)}" if self.allow_ro else "", more)
             self._denied[uid] = (now, 0)
             if len(self._denied) > 1024:  # uids come from the kernel, but stay bounded anyway
                 self._denied = {uid: self._denied[uid]}
@@ -724,7 +779,9 @@ class Daemon:
         except (OSError, protocol.ProtocolError):
             return False
 
-    def _handle(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+    def _handle(self, conn: socket.socket, msg: dict[str, Any], readonly_uid: int | None = None) -> None:
+        """Answer one request; ``readonly_uid``: the uid of a read-only peer (``--allow-uid-ro``),
+        whose requests that would change the store are ``denied``."""
         st = self.state
         rid = msg.get("id")
         cmd = msg.get("cmd")
@@ -737,6 +794,13 @@ class Daemon:
 
         if not isinstance(cmd, str) or not isinstance(args, dict):
             return fail("usage", "a request needs 'cmd' (a string) and 'args' (an object)")
+        if readonly_uid is not None and cmd in OPS:  # an unknown command is a usage error, below
+            change = changes_the_store(cmd, args)
+            if change is not None:
+                log.info("denied %s to read-only uid %d", change, readonly_uid)
+                return fail("denied", f"uid {readonly_uid} may only read this store (serve --allow-uid-ro): "
+                                      f"{change} changes it; --dry-run shows what it would do, or ask the store's "
+                                      f"owner (uid {os.geteuid()})")
         if cmd == "status":
             return self._reply(conn, rid, self._status())
         if cmd == "metrics":

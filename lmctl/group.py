@@ -29,6 +29,7 @@ from .terminal import ExitStatus, Terminal
 HELP_OPTIONS = ["-h", "--help"]
 #: the options every command accepts, before or after it
 GLOBAL_EPILOG = ("Global options, before or after the command: --json prints the result (or the error) as JSON; "
+                 "-q/--quiet prints data and errors only; "
                  "--socket PATH names the daemon's socket (default $LMCTL_SOCKET, else $LMCTL_STORE/lmctl.sock).")
 #: what a value looks like, by option, where its name alone would not say
 METAVARS = {
@@ -40,7 +41,8 @@ METAVARS = {
     "--pin-budget": "[TIER=]FRACTION|SIZE", "--codec": "CODEC", "--codec-level": "N", "--set": "KEY=VALUE",
     "--log-level": "LEVEL", "--since": "DURATION", "--kind": "KIND", "--limit": "N", "--sort": "ORDER",
     "--cursor": "NEXT", "--level": "N", "--to": "TIER", "--endpoint": "URL", "--interval": "SECONDS",
-    "--iterations": "N", "--shell": "SHELL",
+    "--iterations": "N", "--shell": "SHELL", "-o": "FORMAT",
+    "--min-hit": "FRACTION", "--allow-uid-ro": "UID",
 }
 
 
@@ -55,7 +57,7 @@ def _command_index(argv: list[str]) -> int:
 def hoist_globals(argv: list[str]) -> list[str]:
     """Accept the global options after the command too: ``lmctl lookup ... --json``.
     ``serve`` has a ``--socket`` of its own, and ``completion`` prints scripts: after those
-    only ``--json`` is the global one."""
+    only ``--json`` and ``-q/--quiet`` are global ones."""
     at = _command_index(argv)
     own_socket = at < len(argv) and argv[at] in ("serve", "completion")
     out: list[str] = []
@@ -67,7 +69,7 @@ def hoist_globals(argv: list[str]) -> list[str]:
             out += argv[i:]
             break
         socket_is_global = not (own_socket and i > at)
-        if a == "--json":
+        if a in ("--json", "-q", "--quiet"):
             globals_.append(a)
         elif a == "--daemon-uid" and i + 1 < len(argv):
             globals_ += [a, argv[i + 1]]

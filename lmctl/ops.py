@@ -51,8 +51,9 @@ class Job:
     def progress(self, done: int, total: int, what: str) -> None:
         return
 
-    def emit(self, rows: list[dict[str, Any]]) -> None:
-        """Stream part of a listing (``ls``); the client appends it to ``chunks``."""
+    def emit(self, rows: list[dict[str, Any]], into: str = "chunks") -> None:
+        """Stream part of a listing (``ls``, ``evict --dry-run``); the client appends it to the
+        result's list ``into``."""
         raise NotImplementedError
 
 
@@ -174,10 +175,16 @@ MAX_LIMIT = 1 << 40
 
 def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """Evict what a selector picks. Filters are counted (a dry run reads only the index's
-    counts) and streamed in key order, a batch per transaction: nothing holds the whole list."""
+    counts) and streamed in key order, a batch per transaction: nothing holds the whole list.
+    A dry run with ``list`` N also streams the first N chunks it would evict, as the rows of
+    ``keys`` (``key``, ``tier``, ``bytes`` on disk, ``pins``)."""
     force = arg(args, "force", bool, False)
     dry_run = arg(args, "dry_run", bool, False)
+    listing = arg(args, "list", int, 0) if dry_run else 0
+    if not 0 <= listing <= MAX_LIMIT:
+        raise UsageError(f"argument 'list' must be 0 (no listing) or a number of rows up to {MAX_LIMIT}")
     scope = _evict_scope(store, args)
+    counted: Counts | None = None
     if scope is None:
         keys = list(dict.fromkeys(select(store, args).keys))
         infos: Iterable[ChunkInfo] = (i for i in (store.info(k) for k in keys) if i is not None)
@@ -185,29 +192,34 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     else:
         if not filters_of(args) and scope.only is None:
             select(store, args)  # no selector at all: the usage error that says how to choose
-        if dry_run and scope.countable:
-            c = scope.count(store)
-            victims = c if force else c.unpinned()
-            return {"chunks": victims.chunks, "bytes": victims.disk_bytes,
-                    "skipped_pinned": 0 if force else c.pinned_chunks,
-                    "pinned_removed": c.pinned_chunks if force else 0, "dry_run": True}
         infos = scope.stream(store)
-        total = scope.count(store).chunks if scope.countable else 0
-    n = b = pinned_seen = 0
+        if scope.countable:
+            counted = scope.count(store)
+        total = counted.chunks if counted is not None else 0
+    n = b = pinned_seen = listed = 0
     batch: list[ChunkInfo] = []
 
     def flush() -> None:
-        nonlocal n, b, batch
+        nonlocal n, b, batch, listed
         if dry_run:
             n += len(batch)
             b += sum(i.disk_bytes for i in batch)
+            shown = batch[: max(0, listing - listed)]
+            if shown:  # what would go, streamed to the client as the listing "keys"
+                job.emit([{"key": i.key.hex(), "tier": i.tier, "bytes": i.disk_bytes, "pins": i.pin_refs}
+                          for i in shown], into="keys")
+                listed += len(shown)
         else:
             got = store.evict([i.key for i in batch], force=force, uid=caller_uid())
             n += got.chunks
             b += got.bytes
         batch = []
 
+    # a dry run of counted filters reads the counts, and the stream only for the rows it lists
+    from_counts = dry_run and counted is not None
     for seen, info in enumerate(infos):
+        if from_counts and listed >= listing:
+            break
         if seen % EVICT_BATCH == 0:
             job.progress(seen, max(total, seen), "evicting")
         if info.pin_refs > 0:
@@ -219,9 +231,16 @@ def op_evict(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             flush()
     if batch:
         flush()
+    if from_counts:
+        assert counted is not None
+        victims = counted if force else counted.unpinned()
+        n, b, pinned_seen = victims.chunks, victims.disk_bytes, counted.pinned_chunks
     job.progress(max(total, n), max(total, n), "evicting")
-    return {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
-            "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
+    out: dict[str, Any] = {"chunks": n, "bytes": b, "skipped_pinned": 0 if force else pinned_seen,
+                           "pinned_removed": pinned_seen if force else 0, "dry_run": dry_run}
+    if listing:
+        out["keys"] = []  # the rows streamed (the client appends them here)
+    return out
 
 
 def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any) -> dict[str, Any]:
@@ -616,10 +635,14 @@ def op_verify(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
 
 def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     """The store's event log: the newest ``limit`` events (0: all) of the last ``since``
-    seconds, of the ``kind`` list; and the totals by kind and reason, which outlive the log."""
+    seconds, of the ``kind`` list, after event ``after`` (a ``seq``: ``events --follow`` asks
+    for what came since its last call); the totals by kind and reason, which outlive the log;
+    and ``last_seq``, the newest event's ``seq``, read before the events (so none falls between)."""
     since = arg(args, "since", float)
     kinds = arg(args, "kind", list)
     limit = arg(args, "limit", int, 50)
+    after = arg(args, "after", int)
+    last_seq = store.last_event_seq()
     if since is not None and since < 0:
         raise UsageError("--since must not be negative")
     if not 0 <= limit <= MAX_LIMIT:
@@ -627,10 +650,11 @@ def op_events(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     if kinds is not None and not all(isinstance(k, str) for k in kinds):
         raise UsageError("argument 'kind' must be a list of event kinds")
     try:
-        events = store.events(None if since is None else time.time() - since, kinds or None, limit)
+        events = store.events(None if since is None else time.time() - since, kinds or None, limit, after)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
-    return {"events": events, "counters": store.event_counters(), "limit": store.config.event_log_max}
+    return {"events": events, "counters": store.event_counters(), "limit": store.config.event_log_max,
+            "last_seq": max([last_seq, *(e.get("seq", 0) for e in events)])}
 
 
 def op_names(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -665,13 +689,26 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         raise Denied(f"{who} may not change {', '.join(reserved)}: settings that make the daemon "
                      f"read a file or connect somewhere are for the store's owner (uid {os.geteuid()}) or root "
                      "to change; ask them, or run lmctl config set as that user")
+    dry_run = arg(args, "dry_run", bool, False)
     if changes:
         try:
             cfg = apply_settings(store.config, changes)
         except StoreError as exc:
             raise UsageError(str(exc)) from None
         check_pin_budgets(store, cfg)
+        if dry_run:
+            try:
+                plan = store.eviction_plan(cfg)
+            except StoreError as exc:
+                raise UsageError(str(exc)) from None
+            return {"settings": settings_json(cfg), "changed": sorted(changes), "dry_run": True,
+                    "evicts": {name: {"chunks": len(victims), "bytes": sum(b for _k, b in victims), "moves_to": to,
+                                      "capacity_before": store.config.tiers[name].capacity,
+                                      "capacity": cfg.tiers[name].capacity}
+                               for name, (victims, to) in plan.items()}}
         store.configure(cfg)
+    elif dry_run:
+        raise UsageError("--dry-run goes with config set KEY=VALUE...")
     return {"settings": settings_json(store.config), "changed": sorted(changes)}
 
 

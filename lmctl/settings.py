@@ -35,8 +35,8 @@ REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_t
 OWNER_ONLY = ("remote.url", "remote.password_file", "remote.secret_file", "remote.previous_secret_file",
               "remote.trust", "remote.encrypt", "tiers.*.path")
 #: daemon settings a config file may hold (not recorded in the store)
-DAEMON_KEYS = ("store", "socket", "allow_uid", "maintenance_interval", "log_level", "socket_mode", "socket_group",
-               "metrics")
+DAEMON_KEYS = ("store", "socket", "allow_uid", "allow_uid_ro", "maintenance_interval", "log_level", "socket_mode",
+               "socket_group", "metrics")
 
 #: the range each duration setting accepts, in seconds: beyond it a value is a mistake (a
 #: maintenance pass every nanosecond burns a core; an infinite timeout is no timeout)
@@ -289,7 +289,7 @@ def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A TOML config file: ``([daemon] settings, store settings as dotted names)``.
 
-    Layout: a ``[daemon]`` table (``store``, ``socket``, ``allow_uid``,
+    Layout: a ``[daemon]`` table (``store``, ``socket``, ``allow_uid``, ``allow_uid_ro``,
     ``maintenance_interval``, ``log_level``, ``socket_mode``, ``socket_group``), a
     ``[store]`` table of store settings and ``[tiers.NAME]`` tables."""
     import tomllib
@@ -327,14 +327,16 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         v = daemon.get(key)
         if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
             raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {shown(v)}")
-    uids = daemon.get("allow_uid")
-    if uids is not None and (not isinstance(uids, list) or not all(
-            isinstance(u, int) and not isinstance(u, bool) for u in uids)):
-        raise StoreError(f"config file {path}: [daemon] allow_uid must be a list of uids (integers), "
-                         f"not {shown(uids)}")
+    for name in ("allow_uid", "allow_uid_ro"):
+        uids = daemon.get(name)
+        if uids is not None and (not isinstance(uids, list) or not all(
+                isinstance(u, int) and not isinstance(u, bool) for u in uids)):
+            raise StoreError(f"config file {path}: [daemon] {name} must be a list of uids (integers), "
+                             f"not {shown(uids)}")
     try:
-        for u in uids or []:
-            check_id(u, "allow_uid")
+        for name in ("allow_uid", "allow_uid_ro"):
+            for u in daemon.get(name) or []:
+                check_id(u, name)
         if isinstance(daemon.get("socket_group"), int):
             check_id(daemon["socket_group"], "socket_group")
         if daemon.get("maintenance_interval") is not None:

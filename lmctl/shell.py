@@ -160,7 +160,8 @@ class Shell:
         except ValueError as exc:
             return self.term.report("usage", str(exc))
         as_json = "--json" in words  # accepted anywhere on the line, as in the one-shot CLI
-        words = [w for w in words if w != "--json"]
+        quiet = "-q" in words or "--quiet" in words
+        words = [w for w in words if w not in ("--json", "-q", "--quiet")]
         if not words:
             return ExitStatus.OK
         if words[0] in ("help", "?") and not words[1:]:
@@ -173,13 +174,15 @@ class Shell:
             return self.term.report("usage", f"{words[0]} is not available inside the shell")
         elif words[0] not in self.commands:
             return self.term.report("usage", f"unknown command {words[0]!r}; type help")
-        saved, self.term.json = self.term.json, self.term.json or as_json
+        saved = (self.term.json, self.term.quiet, self.term.output, self.term.no_headers)
+        self.term.json, self.term.quiet = self.term.json or as_json, self.term.quiet or quiet
         try:
             # the same rule as the one-shot CLI: an error (a bug too) is one line or the JSON
             # error object, never the end of the session
             code = int(self.cmd.run_line(words, self.term))
         finally:
-            self.term.json = saved
+            # a line's output options are its own
+            self.term.json, self.term.quiet, self.term.output, self.term.no_headers = saved
         if code == ExitStatus.UNREACHABLE:
             self.connected = False
         elif self.term.client is not None:

@@ -165,6 +165,10 @@ class Terminal:
     line: list[str] = field(default_factory=list)  # the words of the command line being run
     #: the last progress the daemon reported for the running request: (done, total, what)
     last_progress: tuple[int, int, str] | None = None
+    quiet: bool = False  # -q/--quiet: data and errors only (no summaries, notices or progress)
+    #: ``-o/--output`` of a listing: None (a table), wide (full keys), tsv or name (a key a line)
+    output: str | None = None
+    no_headers: bool = False  # --no-headers: tables and TSV without their header line
 
     @property
     def address(self) -> str:
@@ -196,9 +200,17 @@ class Terminal:
     def echo(self, text: str = "", end: str = "\n") -> None:
         print(text, end=end, file=self.out)
 
+    @property
+    def chatty(self) -> bool:
+        """Whether lines for people (summaries, notices, progress) are shown: not under
+        ``--quiet``, nor in output meant for scripts (``-o tsv``, ``-o name``)."""
+        return not self.quiet and self.output not in ("tsv", "name")
+
     def say(self, text: str) -> None:
-        """A line for people: no markup, control characters escaped."""
-        self.console().print(printable(text), markup=False)
+        """A line for people: no markup, control characters escaped (none under ``--quiet``
+        or ``-o tsv|name``)."""
+        if self.chatty:
+            self.console().print(printable(text), markup=False)
 
     def console(self) -> Any:
         """A rich console on stdout. Lines are never broken inside a value; piped output gets
@@ -231,10 +243,24 @@ class Terminal:
         return "auto" if self.color is None else "standard" if self.color else None
 
     def table(self, title: str | None, cols: list[str], rows: list[list[Any]], right: set[str] | None = None) -> None:
+        """A table: rich's, or under ``-o tsv`` tab-separated lines (a header line first; a
+        value's tabs and newlines escaped). ``--no-headers`` and ``--quiet`` leave the header,
+        the title and the borders out."""
+        from rich import box
         from rich.table import Table
         from rich.text import Text
 
-        t = Table(title=title)
+        bare = self.no_headers or self.quiet
+        if bare and not rows:
+            return
+        if self.output == "tsv":
+            lines = [] if bare else ["\t".join(cols)]
+            lines += ["\t".join(printable(c.plain if isinstance(c, Text) else str(c)) for c in r) for r in rows]
+            if lines:
+                self.echo("\n".join(lines))
+            return
+        t = Table(title=None if bare else title, show_header=not bare, box=None if bare else box.HEAVY_HEAD,
+                  pad_edge=not bare)
         for c in cols:
             t.add_column(c, justify="right" if right and c in right else "left")
         for r in rows:  # a cell is plain text (never markup), unless it is already a rich Text
@@ -326,7 +352,8 @@ class Terminal:
         try:
             # a caller with a bar of its own has it show how the requests go
             with self.waiting(cmd if progress is None else None) as heard, ExitStack() as stack:
-                bar = stack.enter_context(self.progress()) if long and progress is None and not self.json else None
+                bar = (stack.enter_context(self.progress()) if long and progress is None and not self.json
+                       and not self.quiet else None)
 
                 def note(done: int, total: int, what: str) -> None:
                     heard()  # the wait notice goes: a progress bar (or the reply) follows
@@ -355,7 +382,7 @@ class Terminal:
         the CLI waits for the daemon, once it has waited ``wait_notice_s`` (the first lookup
         of a model loads its tokenizer); gone when the reply or a progress report comes.
         Yields what stops it early."""
-        if cmd is None or self.json or not self._err_is_tty():
+        if cmd is None or self.json or self.quiet or not self._err_is_tty():
             yield lambda: None
             return
         stop = threading.Event()

@@ -133,9 +133,10 @@ class EventLog:
 
     # -- reading ----------------------------------------------------------------------------
     def recent(self, since: float | None = None, kinds: Sequence[str] | None = None,
-             limit: int = 100) -> list[dict[str, Any]]:
+               limit: int = 100, after: int | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` events (0: all) since ``since`` (a time), of ``kinds`` (None:
-        all), oldest first. One read transaction, newest to oldest."""
+        all), after event ``after`` (a ``seq``; None: from the oldest), oldest first. One read
+        transaction, newest to oldest."""
         db = self.index.events
         out: list[dict[str, Any]] = []
         if not self.index.has_events:
@@ -154,6 +155,8 @@ class EventLog:
                 if doc is not None:
                     if since is not None and doc.get("time", 0) < since:
                         break
+                    if after is not None and doc.get("seq", 0) <= after:
+                        break
                     if kinds is None or doc.get("kind") in kinds:
                         out.append(doc)
                         if limit and len(out) >= limit:
@@ -161,6 +164,13 @@ class EventLog:
                 ok = cur.prev()
         out.reverse()
         return out
+
+    def last_seq(self) -> int:
+        """The ``seq`` of the newest event ever logged (0: none yet), kept or dropped."""
+        if not self.index.has_events:
+            return 0
+        with self.index.read() as t:
+            return t.counter("event_seq")
 
     def latest(self, keys: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         """The latest event that names each of ``keys`` (where the log still has one)."""

@@ -64,25 +64,7 @@ class Evictor:
         moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
 
         def pick(t: Txn) -> tuple[dict[bytes, Entry], set[bytes]]:
-            freed = 0
-            retired: set[bytes] = set()
-            victims: dict[bytes, Entry] = {}
-            # a spill that moves chunks (dram to nvme) may take pinned ones: a move keeps the pin
-            sources = ((True, self._retired_victims(t, st.tid, moves)), (False, self._lru_victims(t, st.tid, moves)))
-            for from_retired, keys in sources:
-                for key in keys:
-                    if freed >= to_free:
-                        break
-                    if key in victims:
-                        continue
-                    e = t.entry(key)
-                    if e is None:
-                        continue
-                    victims[key] = e
-                    freed += e.rec_len
-                    if from_retired:
-                        retired.add(key)
-            return victims, retired
+            return self._pick(t, st.tid, to_free, moves)
 
         def drop(t: Txn, victims: dict[bytes, Entry], retired: set[bytes]) -> int:
             gone: dict[str, list[bytes]] = {"retired": [], "lru": []}
@@ -130,6 +112,41 @@ class Evictor:
                 self.space.seal_open(st)
                 self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
         return n
+
+    def _pick(self, t: Txn, tid: int, to_free: int, moves: bool) -> tuple[dict[bytes, Entry], set[bytes]]:
+        """The chunks of tier ``tid`` that free ``to_free`` bytes, in eviction order, and which of
+        them are of retired namespaces."""
+        freed = 0
+        retired: set[bytes] = set()
+        victims: dict[bytes, Entry] = {}
+        # a spill that moves chunks (dram to nvme) may take pinned ones: a move keeps the pin
+        sources = ((True, self._retired_victims(t, tid, moves)), (False, self._lru_victims(t, tid, moves)))
+        for from_retired, keys in sources:
+            for key in keys:
+                if freed >= to_free:
+                    break
+                if key in victims:
+                    continue
+                e = t.entry(key)
+                if e is None:
+                    continue
+                victims[key] = e
+                freed += e.rec_len
+                if from_retired:
+                    retired.add(key)
+        return victims, retired
+
+    def plan(self, tier: str, capacity: int, low_watermark: float) -> tuple[list[tuple[bytes, int]], bool]:
+        """What ``make_room(tier, 0)`` would take from ``tier`` were its capacity ``capacity``
+        and the low watermark ``low_watermark``: ``(key, bytes on disk)`` in eviction order, and
+        whether they would move to the next tier down rather than be dropped. Reads only."""
+        used = self.space.used(tier)
+        if used + ALIGN <= capacity:
+            return [], False
+        moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
+        with self.index.read() as t:
+            victims, _ = self._pick(t, self.space.tier(tier).tid, used + ALIGN - int(capacity * low_watermark), moves)
+        return [(k, e.rec_len) for k, e in victims.items()], moves
 
     def _lru_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of ``tier`` (all, with ``pinned_too``), least recently used first."""

@@ -486,11 +486,9 @@ class Store:
                                                 if ver > FORMAT_VERSION else ""))
         return ver
 
-    def configure(self, config: StoreConfig) -> None:
-        """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
-        them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change. The new settings are synced to disk before this
-        returns."""
+    def _check_change(self, config: StoreConfig) -> None:
+        """Refuse settings this store cannot take: invalid ones, a tier removed, a tier's
+        folder changed."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
@@ -500,6 +498,29 @@ class Store:
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
+
+    def eviction_plan(self, config: StoreConfig) -> dict[str, tuple[list[tuple[bytes, int]], str | None]]:
+        """What ``configure(config)`` would evict at once, changing nothing: by tier, the
+        ``(key, bytes on disk)`` of each chunk in eviction order (retired namespaces first,
+        then least recently used; never a pinned chunk unless it moves), and the tier they
+        would move to (None: they would be dropped). Settings ``configure`` refuses are
+        refused here too. Compaction of dead space, which ``configure`` may also run, is not
+        counted."""
+        self._check_change(config)
+        out: dict[str, tuple[list[tuple[bytes, int]], str | None]] = {}
+        with self._lock:
+            for name in self._tiers:
+                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark)
+                below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
+                out[name] = (victims, below[0] if moves and below else None)
+        return out
+
+    def configure(self, config: StoreConfig) -> None:
+        """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
+        them now (a tier over its new capacity is evicted down). A tier cannot be removed
+        and its folder cannot change. The new settings are synced to disk before this
+        returns."""
+        self._check_change(config)
         old_events_max = self.config.event_log_max
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
@@ -934,16 +955,22 @@ class Store:
         self._index.write(fn)
 
     def events(self, since: float | None = None, kinds: Sequence[str] | None = None,
-               limit: int = 100) -> list[dict[str, Any]]:
+               limit: int = 100, after: int | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` events (0: all) of the store's bounded event log since the time
         ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``),
+        after the event whose ``seq`` is ``after`` (for a reader that follows the log),
         oldest first. Each is a dict: ``seq``, ``time``, ``kind``, ``reason``, ``chunks``, and
         as it applies ``key`` (the first chunk it names), ``tier``, ``bytes``, ``label``,
         ``uid``, ``detail``."""
         bad = sorted(set(kinds or ()) - set(EVENT_KINDS))
         if bad:
             raise StoreError(f"unknown event kind(s) {', '.join(bad)}; kinds are {', '.join(EVENT_KINDS)}")
-        return self._events.recent(since, kinds, limit)
+        return self._events.recent(since, kinds, limit, after)
+
+    def last_event_seq(self) -> int:
+        """The ``seq`` of the newest event ever logged (0: none): a follower of the log asks
+        ``events(after=...)`` from here."""
+        return self._events.last_seq()
 
     def event_counters(self) -> dict[str, dict[str, int]]:
         """Totals by event kind and reason, kept in the index beside the event log and never

@@ -12,6 +12,7 @@ from test_daemon import OTHER, TOKENS, Daemon, cj, cli, fill, tokens_file
 
 #: objects keyed by data (tier names, labels, layouts), not by a fixed set of fields
 MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "queues", "chunk.layout", "chunks[].layout",
+        "evicts",
         *(f"counters.{name}" for name in ("evictions_total", "corrupt_total", "saves_dropped_total", "pins_total",
                                           "unpins_total"))}
 
@@ -56,6 +57,7 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
             got = {
                 "error": json.loads(cli(d, "--json", "pin", "--tokens", doc).stdout),
                 "config": cj(d, "config", "set", "codec_level=1"),
+                "config set --dry-run": cj(d, "config", "set", "tiers.nvme.capacity=16MiB", "--dry-run"),
                 "status": cj(d, "status"),
                 "lookup": cj(d, "lookup", "--tokens", doc),
                 "pin": cj(d, "pin", "--label", "contracts", "--tokens", doc),
