@@ -62,20 +62,26 @@ def shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _duration(value: Any, name: str, label: str | None = None) -> float:
-    """Seconds: a number (TOML) or a duration like ``"12h"``, within ``DURATION_BOUNDS``
-    (``label``: the setting's name as the operator wrote it, when not ``name``)."""
+def _duration(value: Any, name: str, label: str | None = None, *, unit_required: bool = True) -> float:
+    """Seconds from a duration like ``"12h"``, within ``DURATION_BOUNDS`` (``label``: the
+    setting's name as the operator wrote it, when not ``name``). What an operator typed or
+    wrote in a config file needs its unit, as a size does: a bare ``7`` (or TOML's ``7``) is
+    refused, it may well mean seven days. Without ``unit_required`` (a value a program gives,
+    in seconds) a number is seconds."""
     label = label or name
     if isinstance(value, bool):
         raise StoreError(f"{label} {value!r} is not a duration like 90s, 30m, 12h or 7d")
     if isinstance(value, (int, float)):
+        if unit_required:
+            raise StoreError(f'{label} {shown(value)} has no unit: write a duration in quotes, like "30s", "12h" '
+                             'or "7d"')
         try:
             secs = float(value)
         except OverflowError:
             secs = float("inf")
     else:
         try:
-            secs = parse_duration(str(value))
+            secs = parse_duration(str(value), unit_required=unit_required)
         except ValueError as exc:
             raise StoreError(f"{label}: {exc}") from None
     lo, hi = DURATION_BOUNDS.get(name, (0.0, float("inf")))
@@ -92,9 +98,10 @@ def _seconds(s: float) -> str:
 
 
 def maintenance_interval(value: Any, label: str = "--maintenance-interval") -> float:
-    """``--maintenance-interval`` (or ``[daemon] maintenance_interval``), checked."""
+    """``--maintenance-interval`` (seconds, a number), checked; the config file's ``[daemon]
+    maintenance_interval`` is a duration with a unit (``read_config_file`` reads it)."""
     try:
-        return _duration(value, "maintenance_interval", label)
+        return _duration(value, "maintenance_interval", label, unit_required=False)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
 
@@ -323,7 +330,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
                              ("socket_mode", (str,), 'an octal mode in quotes ("0660")'),
                              ("socket_group", (str, int), "a group name or gid"),
                              ("metrics", (str, int), 'a port or "ADDR:PORT" for the Prometheus exporter'),
-                             ("maintenance_interval", (int, float), "a number of seconds")):
+                             ("maintenance_interval", (str, int, float), 'a duration like "30s"')):
         v = daemon.get(key)
         if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
             raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {shown(v)}")
@@ -337,8 +344,8 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             check_id(u, "allow_uid")
         if isinstance(daemon.get("socket_group"), int):
             check_id(daemon["socket_group"], "socket_group")
-        if daemon.get("maintenance_interval") is not None:
-            maintenance_interval(daemon["maintenance_interval"], "maintenance_interval")
+        if daemon.get("maintenance_interval") is not None:  # seconds from here on
+            daemon["maintenance_interval"] = _duration(daemon["maintenance_interval"], "maintenance_interval")
     except StoreError as exc:
         raise StoreError(f"config file {path}: [daemon] {exc}") from None
     try:

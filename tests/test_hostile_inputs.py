@@ -71,12 +71,17 @@ HOSTILE_TOML = {
     "a NUL in the socket path": ('[daemon]\nsocket = "/tmp/a\\u0000b"\n', "NUL"),
     "a huge uid": ("[daemon]\nallow_uid = [99999999999999999999]\n", "not a uid"),
     "a huge gid": ("[daemon]\nsocket_group = 99999999999999999999\n", "not a uid or gid"),
-    "a huge duration": ("[store]\nretire_after_s = " + "9" * 400 + "\n", "out of range"),
-    "an infinite flush interval": ("[store]\naccess_flush_s = inf\n", "out of range"),
+    "a huge duration": ('[store]\nretire_after_s = "' + "9" * 30 + 'd"\n', "out of range"),
+    "a duration that is a bare number": ("[store]\nretire_after_s = 7\n",
+                                         'has no unit: write a duration in quotes, like "30s"'),
+    "an infinite flush interval": ("[store]\naccess_flush_s = inf\n", "has no unit"),
+    "a remote timeout that is a bare number": ('[remote]\nurl = "redis://h:1"\nio_timeout_s = 2\n', "has no unit"),
+    "a maintenance interval that is a bare number": ("[daemon]\nmaintenance_interval = 30\n", '"30s"'),
     "a garbage format version": ('[store]\nformat_version = "garbage"\n', "unknown setting"),
     "a table that is a string": ('daemon = "x"\n', "must be a table"),
     "a relative tier path": ('[tiers.dram]\ncapacity = "64MiB"\npath = "shm"\n', "absolute"),
-    "a maintenance interval of a nanosecond": ("[daemon]\nmaintenance_interval = 1e-9\n", "out of range: give 0.1s"),
+    "a maintenance interval of a nanosecond": ('[daemon]\nmaintenance_interval = "0.000000001s"\n',
+                                               "out of range: give 0.1s"),
 }
 
 
@@ -94,13 +99,31 @@ def test_intervals_and_timeouts_have_bounds(tmp_path: Path) -> None:
     d.start()
     try:
         before = cj(d, "config", "show")["settings"]
-        for setting in ("access_flush_s=0", "access_flush_s=2h", "remote.io_timeout_s=0.000000001",
+        for setting in ("access_flush_s=0s", "access_flush_s=2h", "remote.io_timeout_s=0.000000001s",
                         "remote.lookup_timeout_s=" + "9" * 400, "compact_dead_ratio=0", "segment_bytes=2TiB",
                         "remote.piece_bytes=1GiB", "retire_after_s=" + "9" * 400 + "d"):
             r = cli(d, "config", "set", setting)
             line = one_usage_line(r, "out of range" if "9" * 40 not in setting else "")
             assert "9" * 60 not in line  # a long number is quoted short
         assert cj(d, "config", "show")["settings"] == before  # nothing applied
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_duration_setting_without_a_unit_is_refused(tmp_path: Path) -> None:
+    """``retire_after_s=7`` may well mean seven days: refused as a size without a unit is,
+    from ``config set``, ``serve --set`` and the config file alike."""
+    for setting in ("retire_after_s=7", "compress_cold_after_s=0", "access_flush_s=1.5", "remote.io_timeout_s=2"):
+        one_usage_line(serve_with(tmp_path, "--set", setting), f"{setting.partition('=')[0]}: ", "has no unit")
+    d = Daemon(tmp_path / "store")
+    fill(tmp_path / "store")
+    d.start()
+    try:
+        before = cj(d, "config", "show")["settings"]
+        line = one_usage_line(cli(d, "config", "set", "retire_after_s=7"))
+        assert line == "lmctl: retire_after_s: '7' has no unit: write 7d, 7h, 7m or 7s", line
+        assert cj(d, "config", "show")["settings"] == before  # nothing applied
+        assert cj(d, "config", "set", "retire_after_s=7d")["settings"]["retire_after_s"] == 7 * 86400
     finally:
         assert d.stop() == 0
 

@@ -244,7 +244,7 @@ def test_serve_init_config_file_and_flags_then_config_show_and_set(tmp_path: Pat
     conf.write_text(f'''
 [daemon]
 socket = "{tmp_path / 'd.sock'}"
-maintenance_interval = 5
+maintenance_interval = "5s"
 
 [store]
 codec = "zstd-shuffle"
