@@ -600,3 +600,15 @@ def test_warm_manifest_takes_the_salt_from_the_environment(daemon: Daemon, tmp_p
     r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", str(plain)],
                            obj=Terminal(is_tty=False, color=False), env=env)
     assert r.exit_code == 0, r.stdout  # a salt in the environment may go unused; --cache-salt may not
+
+
+# -- settings (4, 11, 13, 21, 22, 33, 41) -----------------------------------------------------------
+def test_a_size_too_large_says_so_and_names_the_limit(daemon: Daemon) -> None:
+    for value in ("99999999PiB", "1e400GiB", "9EiB"):
+        r = lmctl(daemon, "config", "set", f"tiers.nvme.capacity={value}")
+        assert r.exit_code == 2, r.stdout
+        assert r.stderr == (f"lmctl: size '{value}' is too large: the largest size is 2^63 - 1 bytes "
+                            "(just under 8EiB)\n"), r.stderr
+    r = lmctl(daemon, "config", "set", "tiers.nvme.capacity=lots")
+    assert r.exit_code == 2 and "is not a size like 512MiB" in r.stderr
+    assert ok(daemon, "config", "set", "tiers.nvme.capacity=1PiB")["settings"]["tiers"]["nvme"]["capacity"] == 1 << 50
