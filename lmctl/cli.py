@@ -880,13 +880,30 @@ def _changes(pairs: list[str]) -> dict[str, str]:
 
 
 def _show_settings(term: Terminal, r: dict[str, Any]) -> None:
-    cfg = r["settings"]
-    rows = [[k, json.dumps(v) if not isinstance(v, str) else v] for k, v in cfg.items() if k != "tiers"]
-    for name, t in cfg["tiers"].items():
-        rows += [[f"tiers.{name}.{k}", json.dumps(v) if not isinstance(v, str) else v] for k, v in t.items()]
+    """A row per setting, by the name ``config set`` takes (``remote.url``, ``tiers.nvme.capacity``),
+    sizes and durations with their units (``--json`` gives bytes and seconds)."""
+    from .completion import flatten
+
+    rows = [[k, setting_text(k, v)] for k, v in flatten(r["settings"]).items()]
     term.table(None, ["setting", "value"], rows)
     if r.get("changed"):
         term.say("changed: " + ", ".join(r["changed"]))
+
+
+def setting_text(name: str, value: Any) -> str:
+    """A setting's value as an operator writes it: ``64.0 GiB``, ``1h``, ``none``."""
+    from .units import format_duration
+
+    if value is None:
+        return "none"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value if isinstance(value, str) else json.dumps(value)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("capacity", "segment_bytes", "piece_bytes") or (leaf == "pin_budget" and value > 1):
+        return human(value)
+    if leaf.endswith("_s"):
+        return format_duration(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # -- help -----------------------------------------------------------------------------------------

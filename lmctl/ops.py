@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
+from store.config import human_size as human
 from store.keys import short_key
 
 from . import pinned_documents
@@ -648,8 +649,8 @@ def check_pin_budgets(store: Store, cfg: Any) -> None:
     for name, t in cfg.tiers.items():
         pinned = tiers[name].pinned_bytes if name in tiers else 0
         if pinned > t.pin_budget_bytes:
-            raise UsageError(f"tier {name} holds {pinned} pinned bytes, over the pin budget of "
-                             f"{t.pin_budget_bytes} bytes these settings give; unpin first or give a larger "
+            raise UsageError(f"tier {name} holds {human(pinned)} of pinned chunks, over the pin budget of "
+                             f"{human(t.pin_budget_bytes)} these settings give; unpin first or give a larger "
                              "capacity or pin budget")
 
 

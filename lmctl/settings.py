@@ -19,8 +19,9 @@ from typing import Any
 from store import StoreConfig, StoreError, TierConfig
 from store.config import EVENT_LOG_MAX, TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
 
+from .completion import flatten
 from .errors import UsageError
-from .units import parse_duration
+from .units import format_duration, parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
@@ -86,15 +87,8 @@ def _duration(value: Any, name: str, label: str | None = None, *, unit_required:
             raise StoreError(f"{label}: {exc}") from None
     lo, hi = DURATION_BOUNDS.get(name, (0.0, float("inf")))
     if not lo <= secs <= hi:  # NaN fails too
-        raise StoreError(f"{label} {shown(value)} is out of range: give {_seconds(lo)} to {_seconds(hi)}")
+        raise StoreError(f"{label} {shown(value)} is out of range: give {format_duration(lo)} to {format_duration(hi)}")
     return secs
-
-
-def _seconds(s: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n and s % n == 0:
-            return f"{s / n:g}{unit}"
-    return f"{s:g}s"
 
 
 def maintenance_interval(value: Any, label: str = "--maintenance-interval") -> float:
@@ -279,18 +273,6 @@ def settings_json(config: StoreConfig) -> dict[str, Any]:
 
         doc["remote"]["url"] = redacted(config.remote.url)
     return doc
-
-
-def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"tiers": {"nvme": {"capacity": "1TB"}}}`` -> ``{"tiers.nvme.capacity": "1TB"}``."""
-    out: dict[str, Any] = {}
-    for k, v in doc.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, name + "."))
-        else:
-            out[name] = v
-    return out
 
 
 def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

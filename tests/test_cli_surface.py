@@ -612,3 +612,43 @@ def test_a_size_too_large_says_so_and_names_the_limit(daemon: Daemon) -> None:
     r = lmctl(daemon, "config", "set", "tiers.nvme.capacity=lots")
     assert r.exit_code == 2 and "is not a size like 512MiB" in r.stderr
     assert ok(daemon, "config", "set", "tiers.nvme.capacity=1PiB")["settings"]["tiers"]["nvme"]["capacity"] == 1 << 50
+
+
+def settings_rows(out: str) -> dict[str, str]:
+    """``config show``'s table: {setting: value}."""
+    cells = ([c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│"))
+    return {c[0]: c[1] for c in cells if len(c) == 2}
+
+
+def test_sizes_in_messages_and_config_show_carry_units(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    ok(daemon, "config", "set", "tiers.nvme.pin_budget=1KiB")
+    r = lmctl(daemon, "pin", "--label", "doc", "--tokens", doc)
+    assert r.exit_code == 1 and re.search(r"would put \d+\.\d KiB pinned in tier nvme, over its pin budget of "
+                                          r"1\.0 KiB; ", r.stderr), r.stderr
+    ok(daemon, "config", "set", "tiers.nvme.pin_budget=0.5")
+    ok(daemon, "pin", "--label", "doc", "--tokens", doc)
+    r = lmctl(daemon, "config", "set", "tiers.nvme.pin_budget=1KiB")
+    assert r.exit_code == 2 and re.search(r"tier nvme holds \d+\.\d KiB of pinned chunks, over the pin budget of "
+                                          r"1\.0 KiB these settings give", r.stderr), r.stderr
+    r = lmctl(daemon, "config", "show")
+    rows = settings_rows(r.stdout)
+    assert rows["tiers.nvme.capacity"] == "256.0 MiB" and rows["segment_bytes"] == "4.0 MiB", r.stdout
+    assert rows["retire_after_s"] == "1h" and rows["access_flush_s"] == "1s" and rows["tiers.nvme.pin_budget"] == "0.5"
+    assert rows["compress_cold_after_s"] == "0s" and rows["remote"] == "none"
+    for rejected in ("tiers.nvme.capacity=256.0 MiB", "retire_after_s=1h"):  # what it shows, config set takes
+        ok(daemon, "config", "set", rejected)
+    assert not [v for k, v in rows.items() if re.search(r"\d{5}", v) and k != "event_log_max"], rows  # no byte counts
+
+
+def test_config_show_gives_the_remote_tier_a_row_per_setting(daemon: Daemon) -> None:
+    ok(daemon, "config", "set", "remote.url=redis://:hunter2@127.0.0.1:9/0", "remote.trust=all-writers",
+       "remote.key_prefix=tour")
+    r = lmctl(daemon, "config", "show")
+    rows = settings_rows(r.stdout)
+    assert "remote" not in rows and rows["remote.key_prefix"] == "tour" and rows["remote.write"] == "always"
+    assert rows["remote.url"].startswith("redis://") and "127.0.0.1:9/0" in rows["remote.url"]
+    assert rows["remote.piece_bytes"] == "4.0 MiB" and rows["remote.lookup_timeout_s"] == "0.05s"
+    assert rows["remote.io_timeout_s"] == "2s" and rows["remote.secret_file"] == "none"
+    assert "hunter2" not in r.stdout  # the password stays out, as in the JSON
+    assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
