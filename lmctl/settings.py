@@ -205,7 +205,8 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
     Naming a tier that is not configured adds it (its capacity is then required). Without
     ``whole``, each value is checked but not the settings as a whole."""
     cfg = StoreConfig.from_json(config.to_json())
-    for name, value in changes.items():
+    # remote.url first: the tier it turns on (or off) is the one the other remote.* settings change
+    for name, value in sorted(changes.items(), key=lambda kv: kv[0] != "remote.url"):
         if "\0" in str(name) or "\0" in str(value):
             raise StoreError(f"setting {shown(str(name))}: a NUL character is in its name or value; remove it")
         parts = str(name).split(".")
@@ -243,10 +244,14 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
 
 def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
     if field == "url" and str(value).strip().lower() in ("", "none"):
-        cfg.remote = None
+        if cfg.remote is not None:  # kept for a later remote.url: the tier comes back as it was
+            cfg.remote_off, cfg.remote = cfg.remote, None
         return
-    if cfg.remote is None:
-        cfg.remote = RemoteConfig(url="")
+    if cfg.remote is None:  # a new url takes up the settings the tier had when it was turned off
+        revived = cfg.remote_off if field == "url" else None
+        cfg.remote = revived or RemoteConfig(url="")
+        if revived is not None:
+            cfg.remote_off = None
     r = cfg.remote
     if field in ("url", "key_prefix", "write"):
         setattr(r, field, str(value))
@@ -268,6 +273,7 @@ def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
 def settings_json(config: StoreConfig) -> dict[str, Any]:
     """The settings as shown to operators: the remote tier's URL without its password."""
     doc = dataclasses.asdict(config)
+    del doc["remote_off"]  # not a setting: what remote.url=URL takes up again
     if config.remote is not None:
         from store.remote import redacted
 

@@ -113,6 +113,9 @@ class StoreConfig:
     compress_cold_after_s: float = 0.0
     #: the shared remote tier (None: this store has none)
     remote: RemoteConfig | None = None
+    #: the remote tier's settings while it is off (``remote.url=none``): a new ``remote.url``
+    #: takes them up again (its key prefix, write policy, secret, ...), not the defaults
+    remote_off: RemoteConfig | None = None
     #: events the store's event log keeps (evictions, corrupt drops, dropped saves, pins); the
     #: oldest go first. Their counters are kept apart and never dropped
     event_log_max: int = 10000
@@ -153,8 +156,9 @@ class StoreConfig:
     def from_json(cls, text: str | bytes) -> StoreConfig:
         doc = json.loads(text)
         doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
-        if isinstance(doc.get("remote"), dict):
-            doc["remote"] = RemoteConfig(**doc["remote"])
+        for name in ("remote", "remote_off"):
+            if isinstance(doc.get(name), dict):
+                doc[name] = RemoteConfig(**doc[name])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in known})
 

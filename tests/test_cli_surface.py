@@ -652,3 +652,17 @@ def test_config_show_gives_the_remote_tier_a_row_per_setting(daemon: Daemon) -> 
     assert rows["remote.io_timeout_s"] == "2s" and rows["remote.secret_file"] == "none"
     assert "hunter2" not in r.stdout  # the password stays out, as in the JSON
     assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+
+
+def test_a_remote_tier_turned_off_and_on_again_keeps_its_settings(daemon: Daemon) -> None:
+    ok(daemon, "config", "set", "remote.url=redis://127.0.0.1:9/0", "remote.trust=all-writers",
+       "remote.key_prefix=tour", "remote.write=never", "remote.io_timeout_s=5s")
+    off = ok(daemon, "config", "set", "remote.url=none")["settings"]
+    assert off["remote"] is None and "remote_off" not in off
+    r = lmctl(daemon, "config", "set", "remote.key_prefix=other")  # no url: the tier stays off
+    assert r.exit_code == 2 and "needs remote.url" in r.stderr
+    back = ok(daemon, "config", "set", "remote.url=redis://127.0.0.1:9/1")["settings"]["remote"]
+    assert (back["url"], back["key_prefix"], back["write"], back["trust"], back["io_timeout_s"]) == (
+        "redis://127.0.0.1:9/1", "tour", "never", "all-writers", 5.0), back
+    with library(daemon) as s:
+        assert s.config.remote is not None and s.config.remote.key_prefix == "tour" and s.config.remote_off is None
