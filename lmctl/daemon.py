@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store import Store, StoreError
-from store.private import check_folder, make_private_dir, open_file
+from store.private import STORE_MARKER, check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
 from .errors import Cancelled, Denied, UsageError
@@ -292,6 +292,28 @@ def socket_access(socket_mode: str | int, socket_group: str | int | None) -> tup
     return mode, gid
 
 
+#: what a store's folder holds (a store whose index was lost still has some of it); a name
+#: ending in .sock or .sock.lock is a daemon's socket there
+STORE_NAMES = ("index", "meta.journal", STORE_MARKER, "daemon.lock", "nvme", "dram", "pinned-documents")
+
+
+def _check_init_folder(d: str) -> None:
+    """``serve --init`` on a folder that exists: it becomes the store's only if it holds nothing
+    but a store's own files and is already private. lmctl never takes over a folder of other
+    files, nor changes the mode of a folder it did not make."""
+    check_folder(d, "store folder")  # one another user could change is refused first, as always
+    foreign = sorted(n for n in os.listdir(d) if n not in STORE_NAMES and not n.endswith((".sock", ".sock.lock")))
+    if foreign:
+        listed = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(f"--init: {d} is not empty and not an lmctl store (it holds {listed}); give a folder "
+                         "that does not exist yet, or an empty one")
+    mode = stat.S_IMODE(os.stat(d).st_mode)
+    if mode & 0o077:
+        raise UsageError(f"--init: the folder {d} is mode {mode:04o}, and a store's folder is private (0700); "
+                         f"lmctl does not change a folder it did not make: chmod 0700 {d}, or give a path that "
+                         "does not exist yet")
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
@@ -379,6 +401,9 @@ class Daemon:
         if not os.path.isdir(os.path.join(d, "index")):
             if not self.init:
                 raise NoStore(f"no lmctl store at {d}; check the path, or pass --init to create a new store there")
+            if os.path.isdir(d):
+                _check_init_folder(d)
+                return
             try:
                 make_private_dir(d, "store folder")
             except OSError as exc:

@@ -128,6 +128,33 @@ def test_a_duration_setting_without_a_unit_is_refused(tmp_path: Path) -> None:
         assert d.stop() == 0
 
 
+def test_init_takes_no_folder_of_other_files_and_chmods_no_folder_it_did_not_make(tmp_path: Path) -> None:
+    def serve_init(store: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--init",
+                               "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True,
+                              env=env_with_path(), timeout=60)
+
+    mine = tmp_path / "notempty"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o755)
+    (mine / "readme").write_text("hi")
+    os.chmod(mine / "readme", 0o644)
+    line = one_usage_line(serve_init(mine), "is not empty and not an lmctl store", "'readme'")
+    assert os.listdir(mine) == ["readme"], line  # nothing made there
+    assert (oct(mine.stat().st_mode & 0o777), oct((mine / "readme").stat().st_mode & 0o777)) == ("0o755", "0o644")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    os.chmod(empty, 0o755)
+    one_usage_line(serve_init(empty), "mode 0755", f"chmod 0700 {empty}")
+    assert os.listdir(empty) == [] and empty.stat().st_mode & 0o777 == 0o755
+    os.chmod(empty, 0o700)  # made private by its owner: taken
+    d = Daemon(empty, tmp_path / "s.sock", ["--init"])
+    d.start()
+    assert d.stop() == 0
+    assert (empty / "index").is_dir() and empty.stat().st_mode & 0o777 == 0o700
+    assert not (tmp_path / "s.sock").exists()
+
+
 # a little TOML writer for the fuzz (values as TOML spells them)
 def toml_value(v: Any) -> str:
     if isinstance(v, bool):
