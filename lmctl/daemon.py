@@ -413,7 +413,11 @@ class Daemon:
         d = self.store_dir
         self._take_store_lock()
         try:
-            store = Store(d, fallback_readonly=True)  # a read-only disk: serve it read-only, do not exit
+            # a read-only disk: serve it read-only, do not exit; --tier-path records a tier folder
+            # an older lmctl kept as a relative path
+            paths = {k.split(".")[1]: v for k, v in self.settings.items()
+                     if k.startswith("tiers.") and k.endswith(".path") and isinstance(v, str)}
+            store = Store(d, fallback_readonly=True, tier_paths=paths)
         except OSError as exc:
             raise StoreError(f"cannot open the store at {d}: {exc.strerror or exc}") from None
         if self.settings and store.readonly:

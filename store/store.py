@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +98,8 @@ class Store:
     after ``fork``)."""
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
-                 readonly: bool = False, fallback_readonly: bool = False) -> None:
+                 readonly: bool = False, fallback_readonly: bool = False,
+                 tier_paths: Mapping[str, str] | None = None) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
@@ -109,7 +110,13 @@ class Store:
         ``fallback_readonly`` (engines, the daemon) it opens read-only instead: hits are
         served, saves are refused (``ReadOnlyError``, counted in ``refused_saves``), and
         ``readonly_reason`` says why. A store whose filesystem goes read-only while it is
-        open turns read-only the same way at its first refused write."""
+        open turns read-only the same way at its first refused write.
+
+        A tier folder recorded as a relative path (an older lmctl kept ``--tier-path`` as
+        typed) would be found from each process's working folder: the store is refused with a
+        line that says so, unless ``tier_paths`` ({tier: absolute folder}) names that tier's
+        folder, which is then recorded instead."""
+        self._tier_paths = dict(tier_paths or {})
         try:
             self._start(path, config, readonly)
         except Exception as exc:
@@ -180,6 +187,7 @@ class Store:
             if config is None and restore["config"]:
                 config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
+        self._absolute_tier_paths()
         # events are written by whatever transaction makes the change they describe
         self._events = EventLog(self._index, lambda: self.config.event_log_max)
         if not readonly:
@@ -468,6 +476,28 @@ class Store:
         if written:
             self._journal_add("config", config=cfg.to_json())
         return cfg
+
+    def _absolute_tier_paths(self) -> None:
+        """Refuse (or, with ``tier_paths``, fix) tier folders recorded as relative paths."""
+        relative = {n: t.path for n, t in self.config.tiers.items() if t.path and not os.path.isabs(t.path)}
+        if not relative:
+            return
+        given = {n: p for n, p in self._tier_paths.items() if n in relative and os.path.isabs(p)}
+        missing = sorted(set(relative) - set(given))
+        if missing or self.readonly:
+            n = (missing or sorted(relative))[0]
+            raise StoreError(f"store {self.path}: tier {n}'s folder is recorded as the relative path "
+                             f"{relative[n]!r} (an older lmctl kept --tier-path as typed), which each process "
+                             "would look for from its own working folder; record its absolute path once: "
+                             f"lmctl serve --store {self.path} --tier-path {n}=/ABSOLUTE/FOLDER")
+        cfg = StoreConfig.from_json(self.config.to_json())
+        for n, p in given.items():
+            cfg.tiers[n].path = p
+        self._index.write(lambda t: t.raw.put(b"config", cfg.to_json().encode(), db=self._index.meta), durable=True)
+        self._journal_add("config", config=cfg.to_json())
+        self.config = cfg
+        log.warning("store %s: tier folder(s) recorded as relative paths are now recorded absolute: %s", self.path,
+                    ", ".join(f"{n} {relative[n]!r} -> {p}" for n, p in sorted(given.items())))
 
     def _check_format(self, raw: bytes | memoryview | None) -> int | None:
         """The index's format version (None: not marked yet), if this lmctl opens it: a newer

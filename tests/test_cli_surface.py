@@ -28,7 +28,7 @@ from lmctl.cli import app
 from lmctl.shell import Shell
 from lmctl.terminal import Terminal
 from lmctl.units import parse_duration
-from store import AdapterIdentity, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
+from store import AdapterIdentity, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 
 KEYS = NS.chunk_keys(TOKENS) + NS.chunk_keys(OTHER)
 
@@ -666,3 +666,49 @@ def test_a_remote_tier_turned_off_and_on_again_keeps_its_settings(daemon: Daemon
         "redis://127.0.0.1:9/1", "tour", "never", "all-writers", 5.0), back
     with library(daemon) as s:
         assert s.config.remote is not None and s.config.remote.key_prefix == "tour" and s.config.remote_off is None
+
+
+def test_a_relative_tier_path_is_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # serve runs here: its relative --tier-path is relative to this folder
+    d = Daemon(tmp_path / "s2", tmp_path / "s2.sock", ["--init", "--tier-path", "dram=relative/path",
+                                                        "--capacity", "dram=64MiB"])
+    d.start()
+    try:
+        assert ok(d, "config", "show")["settings"]["tiers"]["dram"]["path"] == str(work / "relative" / "path")
+    finally:
+        assert d.stop() == 0
+    monkeypatch.chdir("/")  # another process, another folder: the same tier folder
+    with library(d) as s:
+        assert s.stats().tiers["dram"].path == str(work / "relative" / "path")
+    assert not Path("/relative").exists()
+
+
+def test_a_relative_tier_path_an_older_store_recorded_is_refused_then_fixed(tmp_path: Path) -> None:
+    from test_hostile_inputs import set_meta
+
+    store = tmp_path / "old"
+    dram = tmp_path / "dram"
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB), "dram": TierConfig(64 * MiB, path=str(dram))})
+    Store(store, cfg).close()
+    cfg.tiers["dram"].path = "dram"  # as an older lmctl recorded --tier-path dram=dram, run from tmp_path
+    set_meta(store, b"config", cfg.to_json().encode())
+    want = (f"store {store}: tier dram's folder is recorded as the relative path 'dram' (an older lmctl kept "
+            "--tier-path as typed), which each process would look for from its own working folder; record its "
+            f"absolute path once: lmctl serve --store {store} --tier-path dram=/ABSOLUTE/FOLDER")
+    for readonly in (True, False):
+        with pytest.raises(StoreError) as e:
+            Store(store, readonly=readonly)
+        assert str(e.value) == want
+    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store)], capture_output=True,
+                       text=True, env=env_with_path(), timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"lmctl: {want}"], r.stderr
+    d = Daemon(store, extra=["--tier-path", f"dram={dram}"])
+    d.start()
+    try:
+        assert ok(d, "config", "show")["settings"]["tiers"]["dram"]["path"] == str(dram)
+    finally:
+        assert d.stop() == 0
+    with Store(store, readonly=True) as s:  # recorded: every process finds the one folder
+        assert s.config.tiers["dram"].path == str(dram)
