@@ -255,6 +255,8 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
                  "(this daemon's calls)")
     if r["store"].get("remote_refused"):
         term.say(f"remote tier not started: {r['store']['remote_refused']}")
+    for note in r["store"].get("notes") or []:
+        term.say(f"note: {note}")
     for j in r["jobs"]:
         term.say(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
 
@@ -847,7 +849,8 @@ def config_show(ctx: typer.Context) -> None:
 
 
 SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k}' for k in TIER_SETTINGS)} (TIER: "
-                 f"dram or nvme; naming a tier that is not configured adds it); "
+                 f"dram or nvme; naming a tier that is not configured adds it, tiers.TIER=none removes an empty "
+                 f"one); "
                  f"{', '.join(f'remote.{k}' for k in REMOTE_SETTINGS)} (remote.url=none removes the remote tier). "
                  "Sizes need a unit (500GiB, 1TB), durations too (90s, 12h, 7d).")
 
@@ -888,6 +891,8 @@ def _show_settings(term: Terminal, r: dict[str, Any]) -> None:
     term.table(None, ["setting", "value"], rows)
     if r.get("changed"):
         term.say("changed: " + ", ".join(r["changed"]))
+    for note in r.get("notes") or []:
+        print(f"lmctl: warning: {printable(note)}", file=term.err)
 
 
 def setting_text(name: str, value: Any) -> str:

@@ -505,6 +505,8 @@ class Daemon:
         releaser.start()
         log.info("lmctl %s serving store %s on %s (pid %d)", __version__, self.store_dir, self.socket_path,
                  os.getpid())
+        for note in store.notes():
+            log.warning("%s", note)
         threads: list[threading.Thread] = []
         try:
             while not self._stop.is_set():
@@ -750,6 +752,6 @@ class Daemon:
                       "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
                       "codec": st.store.config.codec, "remote": stats.remote,
-                      "remote_refused": stats.remote_refused},
+                      "remote_refused": stats.remote_refused, "notes": st.store.notes()},
             "jobs": jobs,
         }

@@ -20,6 +20,7 @@ from typing import Any
 
 from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
 from store.config import human_size as human
+from store.errors import TierNotEmpty
 from store.keys import short_key
 
 from . import pinned_documents
@@ -672,8 +673,14 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         except StoreError as exc:
             raise UsageError(str(exc)) from None
         check_pin_budgets(store, cfg)
-        store.configure(cfg)
-    return {"settings": settings_json(store.config), "changed": sorted(changes)}
+        try:
+            store.configure(cfg)
+        except TierNotEmpty as exc:  # refused as a bad value is: nothing changed
+            raise UsageError(str(exc)) from None
+    # what the operator should know of the tiers just changed (a dram tier on disk, say)
+    tiers = {str(k).split(".")[1] for k in changes if str(k).startswith("tiers.")}
+    notes = [n for n in store.notes() if any(n.startswith(f"tier {t}'s ") for t in tiers)]
+    return {"settings": settings_json(store.config), "changed": sorted(changes), "notes": notes}
 
 
 OPS: dict[str, Callable[[Store, dict[str, Any], Job], dict[str, Any]]] = {

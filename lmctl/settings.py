@@ -212,6 +212,13 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
         parts = str(name).split(".")
         if len(parts) == 1 and parts[0] in STORE_KEYS:
             setattr(cfg, parts[0], _read_store_key(parts[0], value))
+        elif len(parts) == 2 and parts[0] == "tiers" and parts[1] in TIER_ORDER:
+            if _text(value, name):
+                raise StoreError(f"{name} takes none (to remove the tier, if it is empty); set the tier's "
+                                 f"{name}.capacity, {name}.path or {name}.pin_budget instead")
+            if parts[1] not in cfg.tiers:
+                raise StoreError(f"{name}=none: this store has no tier {parts[1]}")
+            del cfg.tiers[parts[1]]  # the store refuses it while the tier holds chunks
         elif len(parts) == 3 and parts[0] == "tiers" and parts[2] in TIER_KEYS:
             tier, field = parts[1], parts[2]
             if tier not in TIER_ORDER:
@@ -232,7 +239,8 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
             _set_remote(cfg, parts[1], value, name)
         else:
             raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)}, "
-                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)}) and "
+                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} and tiers.TIER=none (TIER: "
+                             f"{', '.join(TIER_ORDER)}) and "
                              f"remote.{{{','.join(REMOTE_KEYS)}}}")
     if not whole:
         return cfg

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import Codec, codec_id
 from .compaction import Compactor
-from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
-from .errors import ReadOnlyError, StoreError, is_read_only
+from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
+from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
@@ -48,10 +48,12 @@ from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
 from .private import (
+    MEMORY_FILESYSTEMS,
     STORE_MARKER,
     UnsafePath,
     check_file,
     check_folder,
+    filesystem_type,
     make_private_dir,
     marked_id,
     new_store_id,
@@ -518,18 +520,22 @@ class Store:
 
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
-        them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change. The new settings are synced to disk before this
-        returns."""
+        them now (a tier over its new capacity is evicted down). A tier's folder cannot
+        change; a tier is removed only while it holds no chunks (its segment files, all dead
+        records, are deleted; its folder stays). The new settings are synced to disk before
+        this returns."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
-                raise StoreError(f"tier {name} cannot be removed from a store's settings (it may hold chunks); "
-                                 f"evict its chunks and keep it, or give it a small capacity")
+                continue
             new_dir = config.tiers[name].path or os.path.join(self.path, name)
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
+        removed = [name for name in self._tiers if name not in config.tiers]
+        with self._index.read() as t:  # an empty tier only: said before anything changes
+            for name in removed:
+                self._check_empty(t, name, config)
         old_events_max = self.config.event_log_max
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
@@ -545,8 +551,27 @@ class Store:
                     if name in self._tiers:
                         self._tiers.pop(name).io.close()
                 raise
-            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta),
-                              durable=True)
+            def write(t: Txn) -> None:
+                for name in removed:  # checked in the transaction that removes it: no chunk arrives meanwhile
+                    self._check_empty(t, name, config)
+                    for sid, seg in t.segments():
+                        if seg.tier == TIER_IDS[name]:
+                            t.drop_segment(name, sid, seg)
+                t.raw.put(b"config", config.to_json().encode(), db=self._index.meta)
+
+            for name in removed:  # its open segment closed first, so that its file goes too
+                self._space.drop_open(self._tiers[name])
+                self._space.close_retired(self._tiers[name])
+            try:
+                self._index.write(write, durable=True)
+            except BaseException:
+                for name in added:
+                    self._tiers.pop(name).io.close()
+                if sharing is not None:
+                    sharing.close()
+                raise
+            for name in removed:
+                self._tiers.pop(name).io.close()
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
@@ -558,6 +583,16 @@ class Store:
             self._set_spill()
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+
+    @staticmethod
+    def _check_empty(t: Txn, name: str, config: StoreConfig) -> None:
+        """Refuse to remove the tier ``name`` while it holds chunks."""
+        n = t.counter(f"count:{name}")
+        if n:
+            other = next(iter(config.tiers))
+            raise TierNotEmpty(f"tier {name} holds {n} chunk(s), {human_size(t.counter(f'live:{name}'))}: move or "
+                             f"evict them first (lmctl move --tier {name} --to {other}, or lmctl evict --tier "
+                             f"{name}), then remove it")
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
     def format_version(self) -> int:
@@ -1006,6 +1041,18 @@ class Store:
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
         return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
                           self._remote_refused)
+
+    def notes(self) -> list[str]:
+        """What an operator should know about how the store is set up, a line each: a tier
+        called dram whose folder is not in memory (on the store's disk, say)."""
+        out = []
+        st = self._tiers.get("dram")
+        kind = filesystem_type(st.io.dir) if st is not None else None
+        if st is not None and kind is not None and kind not in MEMORY_FILESYSTEMS:
+            out.append(f"tier dram's folder {st.io.dir} is on {kind}, not tmpfs: its chunks are on disk, not in "
+                       "memory; give the dram tier a folder under /dev/shm (while it is empty: "
+                       "tiers.dram=none, then tiers.dram.path=/dev/shm/... and tiers.dram.capacity)")
+        return out
 
     def release_memory(self, above: int = 0) -> bool:
         """Drop the index's mapped pages from this process's resident memory when more than

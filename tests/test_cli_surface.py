@@ -712,3 +712,35 @@ def test_a_relative_tier_path_an_older_store_recorded_is_refused_then_fixed(tmp_
         assert d.stop() == 0
     with Store(store, readonly=True) as s:  # recorded: every process finds the one folder
         assert s.config.tiers["dram"].path == str(dram)
+
+
+def test_a_dram_tier_on_disk_is_warned_of_and_an_empty_tier_can_be_removed(daemon: Daemon) -> None:
+    from store.private import MEMORY_FILESYSTEMS, filesystem_type
+
+    if filesystem_type(str(daemon.store)) in MEMORY_FILESYSTEMS:
+        pytest.skip("the store is on tmpfs: a dram tier there is where it belongs")
+    r = lmctl(daemon, "config", "set", "tiers.dram.capacity=64MiB")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    dram = daemon.store / "dram"
+    assert r.stderr.splitlines() == [f"lmctl: warning: tier dram's folder {dram} is on "
+                                     f"{filesystem_type(str(dram))}, not tmpfs: its chunks are on disk, not in "
+                                     "memory; give the dram tier a folder under /dev/shm (while it is empty: "
+                                     "tiers.dram=none, then tiers.dram.path=/dev/shm/... and tiers.dram.capacity)"]
+    assert ok(daemon, "status")["store"]["notes"] == [r.stderr.splitlines()[0].removeprefix("lmctl: warning: ")]
+    assert f"note: tier dram's folder {dram} is on" in lmctl(daemon, "status").stdout
+    assert ok(daemon, "move", "--to", "dram", "--model", "m")["chunks"] == 6
+    r = lmctl(daemon, "config", "set", "tiers.dram=none")
+    assert r.exit_code == 2 and re.fullmatch(
+        r"lmctl: tier dram holds 6 chunk\(s\), [\d.]+ KiB: move or evict them first \(lmctl move --tier dram --to "
+        r"nvme, or lmctl evict --tier dram\), then remove it\n", r.stderr), r.stderr
+    ok(daemon, "move", "--to", "nvme", "--tier", "dram")
+    removed = ok(daemon, "config", "set", "tiers.dram=none")["settings"]["tiers"]
+    assert list(removed) == ["nvme"]
+    assert ok(daemon, "status")["store"]["notes"] == [] and not list(dram.glob("seg-*"))
+    with library(daemon) as s:
+        assert list(s.config.tiers) == ["nvme"] and None not in s.locate(KEYS)
+    for setting, says in (("tiers.dram=none", "this store has no tier dram"),
+                          ("tiers.nvme=none", "a store needs at least one tier"),
+                          ("tiers.nvme=1GiB", "takes none")):
+        r = lmctl(daemon, "config", "set", setting)
+        assert r.exit_code == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
