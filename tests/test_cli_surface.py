@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -744,3 +745,22 @@ def test_a_dram_tier_on_disk_is_warned_of_and_an_empty_tier_can_be_removed(daemo
                           ("tiers.nvme=1GiB", "takes none")):
         r = lmctl(daemon, "config", "set", setting)
         assert r.exit_code == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_the_documented_config_file_is_read_and_shows_every_setting_of_daemon_and_remote_write() -> None:
+    from lmctl.settings import DAEMON_KEYS, check_values, read_config_file
+    from store.config import REMOTE_WRITES
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    toml = (docs / "cli.md").read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(toml)
+        f.flush()
+        daemon, changes = read_config_file(f.name)
+    check_values(changes)
+    assert sorted(daemon) == sorted(DAEMON_KEYS)
+    write = toml[toml.index("write = "):toml.index("password_file")]
+    assert all(f'"{w}"' in write for w in REMOTE_WRITES), write
+    guide = (docs / "operator-guide.md").read_text()
+    what = guide[guide.index("- **What it does**"):][:600]
+    assert all(re.search(f"[`\"]{w}[`\"]", what) for w in REMOTE_WRITES), what
