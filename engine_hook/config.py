@@ -88,6 +88,9 @@ class ConnectorSettings:
                     "remote_key_prefix", "remote_write", "dram_path", *_REMOTE_TRUST[:-1]):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise StoreError(f"{key} must be a string, not {extra[key]!r}")
+        if extra.get("dram_path") and not os.path.isabs(extra["dram_path"]):  # recorded in the store for every process
+            raise StoreError(f"dram_path {extra['dram_path']!r} must be an absolute folder path (each process that "
+                             "opens the store would find a relative one from its own working folder)")
         codec = extra.get("codec")
         if codec is not None:
             codec_id(str(codec))

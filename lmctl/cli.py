@@ -375,6 +375,8 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
     if r["store"].get("remote_refused"):
         term.say(f"remote tier not started: {r['store']['remote_refused']}")
     term.say(_maintenance_line(d.get("maintenance") or {}))
+    for note in r["store"].get("notes") or []:
+        term.say(f"note: {note}")
     for j in r["jobs"]:
         term.say(f"job {j['id']}: {j['cmd']} {j['what']} {j['done']}/{j['total']}")
     failed = r.get("failed_jobs") or []
@@ -1214,7 +1216,8 @@ def config_show(ctx: typer.Context) -> None:
 
 
 SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k}' for k in TIER_SETTINGS)} (TIER: "
-                 f"dram or nvme; naming a tier that is not configured adds it); "
+                 f"dram or nvme; naming a tier that is not configured adds it, tiers.TIER=none removes an empty "
+                 f"one); "
                  f"{', '.join(f'remote.{k}' for k in REMOTE_SETTINGS)} (remote.url=none removes the remote tier). "
                  "Sizes need a unit (500GiB, 1TB), durations too (90s, 12h, 7d).")
 
@@ -1265,13 +1268,32 @@ def _changes(pairs: list[str]) -> dict[str, str]:
 
 
 def _show_settings(term: Terminal, r: dict[str, Any]) -> None:
-    cfg = r["settings"]
-    rows = [[k, json.dumps(v) if not isinstance(v, str) else v] for k, v in cfg.items() if k != "tiers"]
-    for name, t in cfg["tiers"].items():
-        rows += [[f"tiers.{name}.{k}", json.dumps(v) if not isinstance(v, str) else v] for k, v in t.items()]
+    """A row per setting, by the name ``config set`` takes (``remote.url``, ``tiers.nvme.capacity``),
+    sizes and durations with their units (``--json`` gives bytes and seconds)."""
+    from .completion import flatten
+
+    rows = [[k, setting_text(k, v)] for k, v in flatten(r["settings"]).items()]
     term.table(None, ["setting", "value"], rows)
     if r.get("changed"):
         term.say("changed: " + ", ".join(r["changed"]))
+    for note in r.get("notes") or []:
+        print(f"lmctl: warning: {printable(note)}", file=term.err)
+
+
+def setting_text(name: str, value: Any) -> str:
+    """A setting's value as an operator writes it: ``64.0 GiB``, ``1h``, ``none``."""
+    from .units import format_duration
+
+    if value is None:
+        return "none"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value if isinstance(value, str) else json.dumps(value)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("capacity", "segment_bytes", "piece_bytes") or (leaf == "pin_budget" and value > 1):
+        return human(value)
+    if leaf.endswith("_s"):
+        return format_duration(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # -- help -----------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ installed CLI (label, adapter and model names come from the daemon). Built on ty
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .terminal import CommandError
 
@@ -31,6 +32,22 @@ REMOTE_SETTINGS = ("url", "key_prefix", "write", "promote", "piece_bytes", "look
                    "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
 SETTING_KEYS = (*STORE_SETTINGS, *(f"tiers.{t}.{k}" for t in ("dram", "nvme") for k in TIER_SETTINGS),
                 *(f"remote.{k}" for k in REMOTE_SETTINGS))
+
+
+def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Settings by the names ``config set`` takes: ``{"tiers": {"nvme": {"capacity": "1TB"}}}``
+    -> ``{"tiers.nvme.capacity": "1TB"}`` (``lmctl.settings`` reads config files with it,
+    ``config show`` prints a row per name)."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
 #: the values an option takes (by its flag, or "COMMAND FLAG" where one command differs), where
 #: they are a fixed few: the shell and the scripts complete them
 VALUES: dict[str, tuple[str, ...]] = {

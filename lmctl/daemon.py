@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store import Store, StoreError
-from store.private import check_folder, make_private_dir, open_file
+from store.private import STORE_MARKER, check_folder, make_private_dir, open_file
 
 from . import __version__, protocol
 from .errors import Cancelled, Denied, UsageError
@@ -333,6 +333,28 @@ def sd_notify(state: str) -> bool:
         return False
 
 
+#: what a store's folder holds (a store whose index was lost still has some of it); a name
+#: ending in .sock or .sock.lock is a daemon's socket there
+STORE_NAMES = ("index", "meta.journal", STORE_MARKER, "daemon.lock", "nvme", "dram", "pinned-documents")
+
+
+def _check_init_folder(d: str) -> None:
+    """``serve --init`` on a folder that exists: it becomes the store's only if it holds nothing
+    but a store's own files and is already private. lmctl never takes over a folder of other
+    files, nor changes the mode of a folder it did not make."""
+    check_folder(d, "store folder")  # one another user could change is refused first, as always
+    foreign = sorted(n for n in os.listdir(d) if n not in STORE_NAMES and not n.endswith((".sock", ".sock.lock")))
+    if foreign:
+        listed = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(f"--init: {d} is not empty and not an lmctl store (it holds {listed}); give a folder "
+                         "that does not exist yet, or an empty one")
+    mode = stat.S_IMODE(os.stat(d).st_mode)
+    if mode & 0o077:
+        raise UsageError(f"--init: the folder {d} is mode {mode:04o}, and a store's folder is private (0700); "
+                         f"lmctl does not change a folder it did not make: chmod 0700 {d}, or give a path that "
+                         "does not exist yet")
+
+
 class SocketUnreachable(StoreError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
@@ -490,6 +512,9 @@ class Daemon:
         if not os.path.isdir(os.path.join(d, "index")):
             if not self.init:
                 raise NoStore(f"no lmctl store at {d}; check the path, or pass --init to create a new store there")
+            if os.path.isdir(d):
+                _check_init_folder(d)
+                return
             try:
                 make_private_dir(d, "store folder")
             except OSError as exc:
@@ -499,7 +524,11 @@ class Daemon:
         d = self.store_dir
         self._take_store_lock()
         try:
-            store = Store(d, fallback_readonly=True)  # a read-only disk: serve it read-only, do not exit
+            # a read-only disk: serve it read-only, do not exit; --tier-path records a tier folder
+            # an older lmctl kept as a relative path
+            paths = {k.split(".")[1]: v for k, v in self.settings.items()
+                     if k.startswith("tiers.") and k.endswith(".path") and isinstance(v, str)}
+            store = Store(d, fallback_readonly=True, tier_paths=paths)
         except OSError as exc:
             raise StoreError(f"cannot open the store at {d}: {exc.strerror or exc}") from None
         if self.settings and store.readonly:
@@ -588,6 +617,8 @@ class Daemon:
         releaser.start()
         log.info("lmctl %s serving store %s on %s (pid %d)", __version__, self.store_dir, self.socket_path,
                  os.getpid())
+        for note in store.notes():
+            log.warning("%s", note)
         threads: list[threading.Thread] = []
         # the socket is listening and the store open: a Type=notify unit is started now
         sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {self.store_dir} on {self.socket_path}")
@@ -890,7 +921,7 @@ class Daemon:
                       "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
                       "codec": st.store.config.codec, "remote": stats.remote,
-                      "remote_refused": stats.remote_refused},
+                      "remote_refused": stats.remote_refused, "notes": st.store.notes()},
             "jobs": jobs,
             "failed_jobs": failed,
         }

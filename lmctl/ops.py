@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
+from store.config import human_size as human
+from store.errors import TierNotEmpty
 from store.keys import short_key
 
 from . import pinned_documents
@@ -672,8 +674,8 @@ def check_pin_budgets(store: Store, cfg: Any) -> None:
     for name, t in cfg.tiers.items():
         pinned = tiers[name].pinned_bytes if name in tiers else 0
         if pinned > t.pin_budget_bytes:
-            raise UsageError(f"tier {name} holds {pinned} pinned bytes, over the pin budget of "
-                             f"{t.pin_budget_bytes} bytes these settings give; unpin first or give a larger "
+            raise UsageError(f"tier {name} holds {human(pinned)} of pinned chunks, over the pin budget of "
+                             f"{human(t.pin_budget_bytes)} these settings give; unpin first or give a larger "
                              "capacity or pin budget")
 
 
@@ -706,10 +708,16 @@ def op_config(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
                                       "capacity_before": store.config.tiers[name].capacity,
                                       "capacity": cfg.tiers[name].capacity}
                                for name, (victims, to) in plan.items()}}
-        store.configure(cfg)
+        try:
+            store.configure(cfg)
+        except TierNotEmpty as exc:  # refused as a bad value is: nothing changed
+            raise UsageError(str(exc)) from None
     elif dry_run:
         raise UsageError("--dry-run goes with config set KEY=VALUE...")
-    return {"settings": settings_json(store.config), "changed": sorted(changes)}
+    # what the operator should know of the tiers just changed (a dram tier on disk, say)
+    tiers = {str(k).split(".")[1] for k in changes if str(k).startswith("tiers.")}
+    notes = [n for n in store.notes() if any(n.startswith(f"tier {t}'s ") for t in tiers)]
+    return {"settings": settings_json(store.config), "changed": sorted(changes), "notes": notes}
 
 
 OPS: dict[str, Callable[[Store, dict[str, Any], Job], dict[str, Any]]] = {

@@ -19,8 +19,9 @@ from typing import Any
 from store import StoreConfig, StoreError, TierConfig
 from store.config import EVENT_LOG_MAX, TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
 
+from .completion import flatten
 from .errors import UsageError
-from .units import parse_duration
+from .units import format_duration, parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
@@ -62,39 +63,39 @@ def shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _duration(value: Any, name: str, label: str | None = None) -> float:
-    """Seconds: a number (TOML) or a duration like ``"12h"``, within ``DURATION_BOUNDS``
-    (``label``: the setting's name as the operator wrote it, when not ``name``)."""
+def _duration(value: Any, name: str, label: str | None = None, *, unit_required: bool = True) -> float:
+    """Seconds from a duration like ``"12h"``, within ``DURATION_BOUNDS`` (``label``: the
+    setting's name as the operator wrote it, when not ``name``). What an operator typed or
+    wrote in a config file needs its unit, as a size does: a bare ``7`` (or TOML's ``7``) is
+    refused, it may well mean seven days. Without ``unit_required`` (a value a program gives,
+    in seconds) a number is seconds."""
     label = label or name
     if isinstance(value, bool):
         raise StoreError(f"{label} {value!r} is not a duration like 90s, 30m, 12h or 7d")
     if isinstance(value, (int, float)):
+        if unit_required:
+            raise StoreError(f'{label} {shown(value)} has no unit: write a duration in quotes, like "30s", "12h" '
+                             'or "7d"')
         try:
             secs = float(value)
         except OverflowError:
             secs = float("inf")
     else:
         try:
-            secs = parse_duration(str(value))
+            secs = parse_duration(str(value), unit_required=unit_required)
         except ValueError as exc:
             raise StoreError(f"{label}: {exc}") from None
     lo, hi = DURATION_BOUNDS.get(name, (0.0, float("inf")))
     if not lo <= secs <= hi:  # NaN fails too
-        raise StoreError(f"{label} {shown(value)} is out of range: give {_seconds(lo)} to {_seconds(hi)}")
+        raise StoreError(f"{label} {shown(value)} is out of range: give {format_duration(lo)} to {format_duration(hi)}")
     return secs
 
 
-def _seconds(s: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n and s % n == 0:
-            return f"{s / n:g}{unit}"
-    return f"{s:g}s"
-
-
 def maintenance_interval(value: Any, label: str = "--maintenance-interval") -> float:
-    """``--maintenance-interval`` (or ``[daemon] maintenance_interval``), checked."""
+    """``--maintenance-interval`` (seconds, a number), checked; the config file's ``[daemon]
+    maintenance_interval`` is a duration with a unit (``read_config_file`` reads it)."""
     try:
-        return _duration(value, "maintenance_interval", label)
+        return _duration(value, "maintenance_interval", label, unit_required=False)
     except StoreError as exc:
         raise UsageError(str(exc)) from None
 
@@ -204,12 +205,20 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
     Naming a tier that is not configured adds it (its capacity is then required). Without
     ``whole``, each value is checked but not the settings as a whole."""
     cfg = StoreConfig.from_json(config.to_json())
-    for name, value in changes.items():
+    # remote.url first: the tier it turns on (or off) is the one the other remote.* settings change
+    for name, value in sorted(changes.items(), key=lambda kv: kv[0] != "remote.url"):
         if "\0" in str(name) or "\0" in str(value):
             raise StoreError(f"setting {shown(str(name))}: a NUL character is in its name or value; remove it")
         parts = str(name).split(".")
         if len(parts) == 1 and parts[0] in STORE_KEYS:
             setattr(cfg, parts[0], _read_store_key(parts[0], value))
+        elif len(parts) == 2 and parts[0] == "tiers" and parts[1] in TIER_ORDER:
+            if _text(value, name):
+                raise StoreError(f"{name} takes none (to remove the tier, if it is empty); set the tier's "
+                                 f"{name}.capacity, {name}.path or {name}.pin_budget instead")
+            if parts[1] not in cfg.tiers:
+                raise StoreError(f"{name}=none: this store has no tier {parts[1]}")
+            del cfg.tiers[parts[1]]  # the store refuses it while the tier holds chunks
         elif len(parts) == 3 and parts[0] == "tiers" and parts[2] in TIER_KEYS:
             tier, field = parts[1], parts[2]
             if tier not in TIER_ORDER:
@@ -230,7 +239,8 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
             _set_remote(cfg, parts[1], value, name)
         else:
             raise StoreError(f"unknown setting {name!r}; settings are {', '.join(STORE_KEYS)}, "
-                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} (TIER: {', '.join(TIER_ORDER)}) and "
+                             f"tiers.TIER.{{{','.join(TIER_KEYS)}}} and tiers.TIER=none (TIER: "
+                             f"{', '.join(TIER_ORDER)}) and "
                              f"remote.{{{','.join(REMOTE_KEYS)}}}")
     if not whole:
         return cfg
@@ -242,10 +252,14 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
 
 def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
     if field == "url" and str(value).strip().lower() in ("", "none"):
-        cfg.remote = None
+        if cfg.remote is not None:  # kept for a later remote.url: the tier comes back as it was
+            cfg.remote_off, cfg.remote = cfg.remote, None
         return
-    if cfg.remote is None:
-        cfg.remote = RemoteConfig(url="")
+    if cfg.remote is None:  # a new url takes up the settings the tier had when it was turned off
+        revived = cfg.remote_off if field == "url" else None
+        cfg.remote = revived or RemoteConfig(url="")
+        if revived is not None:
+            cfg.remote_off = None
     r = cfg.remote
     if field in ("url", "key_prefix", "write"):
         setattr(r, field, str(value))
@@ -267,23 +281,12 @@ def _set_remote(cfg: StoreConfig, field: str, value: Any, name: str) -> None:
 def settings_json(config: StoreConfig) -> dict[str, Any]:
     """The settings as shown to operators: the remote tier's URL without its password."""
     doc = dataclasses.asdict(config)
+    del doc["remote_off"]  # not a setting: what remote.url=URL takes up again
     if config.remote is not None:
         from store.remote import redacted
 
         doc["remote"]["url"] = redacted(config.remote.url)
     return doc
-
-
-def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"tiers": {"nvme": {"capacity": "1TB"}}}`` -> ``{"tiers.nvme.capacity": "1TB"}``."""
-    out: dict[str, Any] = {}
-    for k, v in doc.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, name + "."))
-        else:
-            out[name] = v
-    return out
 
 
 def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -323,7 +326,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
                              ("socket_mode", (str,), 'an octal mode in quotes ("0660")'),
                              ("socket_group", (str, int), "a group name or gid"),
                              ("metrics", (str, int), 'a port or "ADDR:PORT" for the Prometheus exporter'),
-                             ("maintenance_interval", (int, float), "a number of seconds")):
+                             ("maintenance_interval", (str, int, float), 'a duration like "30s"')):
         v = daemon.get(key)
         if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
             raise StoreError(f"config file {path}: [daemon] {key} must be {what}, not {shown(v)}")
@@ -339,8 +342,8 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
                 check_id(u, name)
         if isinstance(daemon.get("socket_group"), int):
             check_id(daemon["socket_group"], "socket_group")
-        if daemon.get("maintenance_interval") is not None:
-            maintenance_interval(daemon["maintenance_interval"], "maintenance_interval")
+        if daemon.get("maintenance_interval") is not None:  # seconds from here on
+            daemon["maintenance_interval"] = _duration(daemon["maintenance_interval"], "maintenance_interval")
     except StoreError as exc:
         raise StoreError(f"config file {path}: [daemon] {exc}") from None
     try:

@@ -134,9 +134,10 @@ def printable(text: str) -> str:
 
 
 def human(n: float) -> str:
-    """A byte count for people: 512 B, 1.5 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """A byte count for people: 512 B, 1.5 MiB (as ``store.config.human_size`` writes it in the
+    store's messages; that module is not imported here, the CLI starts without the store)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)

@@ -38,3 +38,13 @@ def parse_duration(text: str, unit_required: bool = False) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"{text.strip()[:40]!r} is too long a duration")
     return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as an operator writes them: ``1h``, ``7d``, ``90s``, ``0.05s`` (``parse_duration``
+    reads each back)."""
+    for unit in ("d", "h", "m"):
+        n = SECONDS[unit]
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"

@@ -113,6 +113,9 @@ class StoreConfig:
     compress_cold_after_s: float = 0.0
     #: the shared remote tier (None: this store has none)
     remote: RemoteConfig | None = None
+    #: the remote tier's settings while it is off (``remote.url=none``): a new ``remote.url``
+    #: takes them up again (its key prefix, write policy, secret, ...), not the defaults
+    remote_off: RemoteConfig | None = None
     #: events the store's event log keeps (evictions, corrupt drops, dropped saves, pins); the
     #: oldest go first. Their counters are kept apart and never dropped
     event_log_max: int = 10000
@@ -153,14 +156,27 @@ class StoreConfig:
     def from_json(cls, text: str | bytes) -> StoreConfig:
         doc = json.loads(text)
         doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
-        if isinstance(doc.get("remote"), dict):
-            doc["remote"] = RemoteConfig(**doc["remote"])
+        for name in ("remote", "remote_off"):
+            if isinstance(doc.get(name), dict):
+                doc[name] = RemoteConfig(**doc[name])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in doc.items() if k in known})
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
+          "p": 1 << 50, "pb": 1000**5, "pib": 1 << 50, "e": 1 << 60, "eb": 1000**6, "eib": 1 << 60}
+#: the largest size: what a signed 64-bit byte count holds (the index keeps sizes so)
+MAX_SIZE = 2**63 - 1
+
+
+def human_size(n: float) -> str:
+    """A byte count for people: 512 B, 1.5 MiB, 64.0 GiB (``lmctl.terminal.human`` too)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 #: the smallest tier capacity an operator may set: below it a tier holds a handful of chunks
@@ -203,6 +219,9 @@ def parse_size(value: int | float | str) -> int:
         n = float(num)
     except ValueError:
         raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB") from None
-    if unit not in _UNITS or not 0 <= n * _UNITS[unit] < 2**63:
+    if unit not in _UNITS or not 0 <= n * _UNITS[unit]:  # NaN fails too
         raise StoreError(f"size {value!r} is not a size like 512MiB, 64GiB or 1TB")
+    if n * _UNITS[unit] > MAX_SIZE:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise StoreError(f"size {shown} is too large: the largest size is 2^63 - 1 bytes (just under 8EiB)")
     return int(n * _UNITS[unit])

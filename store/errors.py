@@ -35,6 +35,10 @@ class PinBudgetError(StoreError):
     """A pin would take a tier's pinned bytes over its pin budget."""
 
 
+class TierNotEmpty(StoreError):
+    """A tier that still holds chunks cannot be removed from the settings."""
+
+
 class IndexWriteError(StoreError):
     """A write transaction of the index failed (nothing of it was committed)."""
 

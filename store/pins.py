@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .config import StoreConfig
+from .config import StoreConfig, human_size
 from .errors import PinBudgetError, StoreError
 from .index import Index, Txn, label_key
 from .keys import KEY_BYTES
@@ -56,8 +56,8 @@ class Pins:
                     pinned += t.counter("pin_reserved")
                 if pinned > st.cfg.pin_budget_bytes:
                     raise PinBudgetError(
-                        f"pin {label!r} would put {pinned} bytes pinned in tier {tname}, over its pin "
-                        f"budget of {st.cfg.pin_budget_bytes} bytes; unpin something or raise the budget")
+                        f"pin {label!r} would put {human_size(pinned)} pinned in tier {tname}, over its pin "
+                        f"budget of {human_size(st.cfg.pin_budget_bytes)}; unpin something or raise the budget")
             if dry_run:
                 raise _RolledBack(added)
             if added and journal:  # not when restored from the journal: that pin was logged when made

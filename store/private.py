@@ -319,3 +319,29 @@ def tighten(root: str, tier_dirs: Iterable[str] = ()) -> list[tuple[str, int]]:
             if name == TIER_MARKER or (name.startswith("seg-") and name.endswith(".lseg")):
                 _tighten_one(os.path.join(d, name), False, fixed)
     return fixed
+
+
+#: filesystems that keep their files in memory: where a tier called dram belongs
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing parent) is on, from
+    /proc/self/mountinfo (``tmpfs``, ``ext4``, ...); None where that cannot be read."""
+    p = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = p == mnt or p.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, kind = mnt, right.split()[0]
+    return kind

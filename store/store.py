@@ -28,14 +28,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .codec import Codec, codec_id
 from .compaction import Compactor
-from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
-from .errors import ReadOnlyError, StoreError, is_read_only
+from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
+from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
 from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
@@ -48,10 +48,12 @@ from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
 from .private import (
+    MEMORY_FILESYSTEMS,
     STORE_MARKER,
     UnsafePath,
     check_file,
     check_folder,
+    filesystem_type,
     make_private_dir,
     marked_id,
     new_store_id,
@@ -98,7 +100,8 @@ class Store:
     after ``fork``)."""
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
-                 readonly: bool = False, fallback_readonly: bool = False) -> None:
+                 readonly: bool = False, fallback_readonly: bool = False,
+                 tier_paths: Mapping[str, str] | None = None) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
@@ -109,7 +112,13 @@ class Store:
         ``fallback_readonly`` (engines, the daemon) it opens read-only instead: hits are
         served, saves are refused (``ReadOnlyError``, counted in ``refused_saves``), and
         ``readonly_reason`` says why. A store whose filesystem goes read-only while it is
-        open turns read-only the same way at its first refused write."""
+        open turns read-only the same way at its first refused write.
+
+        A tier folder recorded as a relative path (an older lmctl kept ``--tier-path`` as
+        typed) would be found from each process's working folder: the store is refused with a
+        line that says so, unless ``tier_paths`` ({tier: absolute folder}) names that tier's
+        folder, which is then recorded instead."""
+        self._tier_paths = dict(tier_paths or {})
         try:
             self._start(path, config, readonly)
         except Exception as exc:
@@ -180,6 +189,7 @@ class Store:
             if config is None and restore["config"]:
                 config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
+        self._absolute_tier_paths()
         # events are written by whatever transaction makes the change they describe
         self._events = EventLog(self._index, lambda: self.config.event_log_max)
         if not readonly:
@@ -469,6 +479,28 @@ class Store:
             self._journal_add("config", config=cfg.to_json())
         return cfg
 
+    def _absolute_tier_paths(self) -> None:
+        """Refuse (or, with ``tier_paths``, fix) tier folders recorded as relative paths."""
+        relative = {n: t.path for n, t in self.config.tiers.items() if t.path and not os.path.isabs(t.path)}
+        if not relative:
+            return
+        given = {n: p for n, p in self._tier_paths.items() if n in relative and os.path.isabs(p)}
+        missing = sorted(set(relative) - set(given))
+        if missing or self.readonly:
+            n = (missing or sorted(relative))[0]
+            raise StoreError(f"store {self.path}: tier {n}'s folder is recorded as the relative path "
+                             f"{relative[n]!r} (an older lmctl kept --tier-path as typed), which each process "
+                             "would look for from its own working folder; record its absolute path once: "
+                             f"lmctl serve --store {self.path} --tier-path {n}=/ABSOLUTE/FOLDER")
+        cfg = StoreConfig.from_json(self.config.to_json())
+        for n, p in given.items():
+            cfg.tiers[n].path = p
+        self._index.write(lambda t: t.raw.put(b"config", cfg.to_json().encode(), db=self._index.meta), durable=True)
+        self._journal_add("config", config=cfg.to_json())
+        self.config = cfg
+        log.warning("store %s: tier folder(s) recorded as relative paths are now recorded absolute: %s", self.path,
+                    ", ".join(f"{n} {relative[n]!r} -> {p}" for n, p in sorted(given.items())))
+
     def _check_format(self, raw: bytes | memoryview | None) -> int | None:
         """The index's format version (None: not marked yet), if this lmctl opens it: a newer
         one is refused before anything is read the way this version would misread it."""
@@ -486,18 +518,22 @@ class Store:
                                                 if ver > FORMAT_VERSION else ""))
         return ver
 
-    def _check_change(self, config: StoreConfig) -> None:
-        """Refuse settings this store cannot take: invalid ones, a tier removed, a tier's
-        folder changed."""
+    def _check_change(self, config: StoreConfig) -> list[str]:
+        """Refuse settings this store cannot take: invalid ones, a tier's folder changed, a
+        tier removed that holds chunks. The tiers the settings remove."""
         config.validate()
         for name, st in self._tiers.items():
             if name not in config.tiers:
-                raise StoreError(f"tier {name} cannot be removed from a store's settings (it may hold chunks); "
-                                 f"evict its chunks and keep it, or give it a small capacity")
+                continue
             new_dir = config.tiers[name].path or os.path.join(self.path, name)
             if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
                 raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
                                  "stop every process that uses the store and move the folder first")
+        removed = [name for name in self._tiers if name not in config.tiers]
+        with self._index.read() as t:  # an empty tier only: said before anything changes
+            for name in removed:
+                self._check_empty(t, name, config)
+        return removed
 
     def eviction_plan(self, config: StoreConfig) -> dict[str, tuple[list[tuple[bytes, int]], str | None]]:
         """What ``configure(config)`` would evict at once, changing nothing: by tier, the
@@ -510,6 +546,8 @@ class Store:
         out: dict[str, tuple[list[tuple[bytes, int]], str | None]] = {}
         with self._lock:
             for name in self._tiers:
+                if name not in config.tiers:  # removed: it holds nothing
+                    continue
                 victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark)
                 below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
                 out[name] = (victims, below[0] if moves and below else None)
@@ -517,10 +555,11 @@ class Store:
 
     def configure(self, config: StoreConfig) -> None:
         """Replace the store's settings (capacities, budgets, codec, new tiers) and apply
-        them now (a tier over its new capacity is evicted down). A tier cannot be removed
-        and its folder cannot change. The new settings are synced to disk before this
-        returns."""
-        self._check_change(config)
+        them now (a tier over its new capacity is evicted down). A tier's folder cannot
+        change; a tier is removed only while it holds no chunks (its segment files, all dead
+        records, are deleted; its folder stays). The new settings are synced to disk before
+        this returns."""
+        removed = self._check_change(config)
         old_events_max = self.config.event_log_max
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
@@ -536,8 +575,27 @@ class Store:
                     if name in self._tiers:
                         self._tiers.pop(name).io.close()
                 raise
-            self._index.write(lambda t: t.raw.put(b"config", config.to_json().encode(), db=self._index.meta),
-                              durable=True)
+            def write(t: Txn) -> None:
+                for name in removed:  # checked in the transaction that removes it: no chunk arrives meanwhile
+                    self._check_empty(t, name, config)
+                    for sid, seg in t.segments():
+                        if seg.tier == TIER_IDS[name]:
+                            t.drop_segment(name, sid, seg)
+                t.raw.put(b"config", config.to_json().encode(), db=self._index.meta)
+
+            for name in removed:  # its open segment closed first, so that its file goes too
+                self._space.drop_open(self._tiers[name])
+                self._space.close_retired(self._tiers[name])
+            try:
+                self._index.write(write, durable=True)
+            except BaseException:
+                for name in added:
+                    self._tiers.pop(name).io.close()
+                if sharing is not None:
+                    sharing.close()
+                raise
+            for name in removed:
+                self._tiers.pop(name).io.close()
             self._journal_add("config", config=config.to_json())
             self.config = config
             self.codec = Codec(config.codec_level)
@@ -549,6 +607,16 @@ class Store:
             self._set_spill()
             for name in self._tiers:
                 self._evictor.make_room(name, 0)
+
+    @staticmethod
+    def _check_empty(t: Txn, name: str, config: StoreConfig) -> None:
+        """Refuse to remove the tier ``name`` while it holds chunks."""
+        n = t.counter(f"count:{name}")
+        if n:
+            other = next(iter(config.tiers))
+            raise TierNotEmpty(f"tier {name} holds {n} chunk(s), {human_size(t.counter(f'live:{name}'))}: move or "
+                             f"evict them first (lmctl move --tier {name} --to {other}, or lmctl evict --tier "
+                             f"{name}), then remove it")
 
     # -- the metadata journal (store/journal.py) -------------------------------------------
     def format_version(self) -> int:
@@ -1003,6 +1071,18 @@ class Store:
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
         return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
                           self._remote_refused)
+
+    def notes(self) -> list[str]:
+        """What an operator should know about how the store is set up, a line each: a tier
+        called dram whose folder is not in memory (on the store's disk, say)."""
+        out = []
+        st = self._tiers.get("dram")
+        kind = filesystem_type(st.io.dir) if st is not None else None
+        if st is not None and kind is not None and kind not in MEMORY_FILESYSTEMS:
+            out.append(f"tier dram's folder {st.io.dir} is on {kind}, not tmpfs: its chunks are on disk, not in "
+                       "memory; give the dram tier a folder under /dev/shm (while it is empty: "
+                       "tiers.dram=none, then tiers.dram.path=/dev/shm/... and tiers.dram.capacity)")
+        return out
 
     def release_memory(self, above: int = 0) -> bool:
         """Drop the index's mapped pages from this process's resident memory when more than

@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from lmctl.cli import app
 from lmctl.shell import Shell
 from lmctl.terminal import Terminal
 from lmctl.units import parse_duration
-from store import AdapterIdentity, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
+from store import AdapterIdentity, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 
 KEYS = NS.chunk_keys(TOKENS) + NS.chunk_keys(OTHER)
 
@@ -600,3 +601,166 @@ def test_warm_manifest_takes_the_salt_from_the_environment(daemon: Daemon, tmp_p
     r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", str(plain)],
                            obj=Terminal(is_tty=False, color=False), env=env)
     assert r.exit_code == 0, r.stdout  # a salt in the environment may go unused; --cache-salt may not
+
+
+# -- settings (4, 11, 13, 21, 22, 33, 41) -----------------------------------------------------------
+def test_a_size_too_large_says_so_and_names_the_limit(daemon: Daemon) -> None:
+    for value in ("99999999PiB", "1e400GiB", "9EiB"):
+        r = lmctl(daemon, "config", "set", f"tiers.nvme.capacity={value}")
+        assert r.exit_code == 2, r.stdout
+        assert r.stderr == (f"lmctl: size '{value}' is too large: the largest size is 2^63 - 1 bytes "
+                            "(just under 8EiB)\n"), r.stderr
+    r = lmctl(daemon, "config", "set", "tiers.nvme.capacity=lots")
+    assert r.exit_code == 2 and "is not a size like 512MiB" in r.stderr
+    assert ok(daemon, "config", "set", "tiers.nvme.capacity=1PiB")["settings"]["tiers"]["nvme"]["capacity"] == 1 << 50
+
+
+def settings_rows(out: str) -> dict[str, str]:
+    """``config show``'s table: {setting: value}."""
+    cells = ([c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│"))
+    return {c[0]: c[1] for c in cells if len(c) == 2}
+
+
+def test_sizes_in_messages_and_config_show_carry_units(daemon: Daemon, tmp_path: Path) -> None:
+    doc = tokens_file(tmp_path, TOKENS)
+    ok(daemon, "config", "set", "tiers.nvme.pin_budget=1KiB")
+    r = lmctl(daemon, "pin", "--label", "doc", "--tokens", doc)
+    assert r.exit_code == 1 and re.search(r"would put \d+\.\d KiB pinned in tier nvme, over its pin budget of "
+                                          r"1\.0 KiB; ", r.stderr), r.stderr
+    ok(daemon, "config", "set", "tiers.nvme.pin_budget=0.5")
+    ok(daemon, "pin", "--label", "doc", "--tokens", doc)
+    r = lmctl(daemon, "config", "set", "tiers.nvme.pin_budget=1KiB")
+    assert r.exit_code == 2 and re.search(r"tier nvme holds \d+\.\d KiB of pinned chunks, over the pin budget of "
+                                          r"1\.0 KiB these settings give", r.stderr), r.stderr
+    r = lmctl(daemon, "config", "show")
+    rows = settings_rows(r.stdout)
+    assert rows["tiers.nvme.capacity"] == "256.0 MiB" and rows["segment_bytes"] == "4.0 MiB", r.stdout
+    assert rows["retire_after_s"] == "1h" and rows["access_flush_s"] == "1s" and rows["tiers.nvme.pin_budget"] == "0.5"
+    assert rows["compress_cold_after_s"] == "0s" and rows["remote"] == "none"
+    for rejected in ("tiers.nvme.capacity=256.0 MiB", "retire_after_s=1h"):  # what it shows, config set takes
+        ok(daemon, "config", "set", rejected)
+    assert not [v for k, v in rows.items() if re.search(r"\d{5}", v) and k != "event_log_max"], rows  # no byte counts
+
+
+def test_config_show_gives_the_remote_tier_a_row_per_setting(daemon: Daemon) -> None:
+    ok(daemon, "config", "set", "remote.url=redis://:hunter2@127.0.0.1:9/0", "remote.trust=all-writers",
+       "remote.key_prefix=tour")
+    r = lmctl(daemon, "config", "show")
+    rows = settings_rows(r.stdout)
+    assert "remote" not in rows and rows["remote.key_prefix"] == "tour" and rows["remote.write"] == "always"
+    assert rows["remote.url"].startswith("redis://") and "127.0.0.1:9/0" in rows["remote.url"]
+    assert rows["remote.piece_bytes"] == "4.0 MiB" and rows["remote.lookup_timeout_s"] == "0.05s"
+    assert rows["remote.io_timeout_s"] == "2s" and rows["remote.secret_file"] == "none"
+    assert "hunter2" not in r.stdout  # the password stays out, as in the JSON
+    assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+
+
+def test_a_remote_tier_turned_off_and_on_again_keeps_its_settings(daemon: Daemon) -> None:
+    ok(daemon, "config", "set", "remote.url=redis://127.0.0.1:9/0", "remote.trust=all-writers",
+       "remote.key_prefix=tour", "remote.write=never", "remote.io_timeout_s=5s")
+    off = ok(daemon, "config", "set", "remote.url=none")["settings"]
+    assert off["remote"] is None and "remote_off" not in off
+    r = lmctl(daemon, "config", "set", "remote.key_prefix=other")  # no url: the tier stays off
+    assert r.exit_code == 2 and "needs remote.url" in r.stderr
+    back = ok(daemon, "config", "set", "remote.url=redis://127.0.0.1:9/1")["settings"]["remote"]
+    assert (back["url"], back["key_prefix"], back["write"], back["trust"], back["io_timeout_s"]) == (
+        "redis://127.0.0.1:9/1", "tour", "never", "all-writers", 5.0), back
+    with library(daemon) as s:
+        assert s.config.remote is not None and s.config.remote.key_prefix == "tour" and s.config.remote_off is None
+
+
+def test_a_relative_tier_path_is_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # serve runs here: its relative --tier-path is relative to this folder
+    d = Daemon(tmp_path / "s2", tmp_path / "s2.sock", ["--init", "--tier-path", "dram=relative/path",
+                                                        "--capacity", "dram=64MiB"])
+    d.start()
+    try:
+        assert ok(d, "config", "show")["settings"]["tiers"]["dram"]["path"] == str(work / "relative" / "path")
+    finally:
+        assert d.stop() == 0
+    monkeypatch.chdir("/")  # another process, another folder: the same tier folder
+    with library(d) as s:
+        assert s.stats().tiers["dram"].path == str(work / "relative" / "path")
+    assert not Path("/relative").exists()
+
+
+def test_a_relative_tier_path_an_older_store_recorded_is_refused_then_fixed(tmp_path: Path) -> None:
+    from test_hostile_inputs import set_meta
+
+    store = tmp_path / "old"
+    dram = tmp_path / "dram"
+    cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB), "dram": TierConfig(64 * MiB, path=str(dram))})
+    Store(store, cfg).close()
+    cfg.tiers["dram"].path = "dram"  # as an older lmctl recorded --tier-path dram=dram, run from tmp_path
+    set_meta(store, b"config", cfg.to_json().encode())
+    want = (f"store {store}: tier dram's folder is recorded as the relative path 'dram' (an older lmctl kept "
+            "--tier-path as typed), which each process would look for from its own working folder; record its "
+            f"absolute path once: lmctl serve --store {store} --tier-path dram=/ABSOLUTE/FOLDER")
+    for readonly in (True, False):
+        with pytest.raises(StoreError) as e:
+            Store(store, readonly=readonly)
+        assert str(e.value) == want
+    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store)], capture_output=True,
+                       text=True, env=env_with_path(), timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"lmctl: {want}"], r.stderr
+    d = Daemon(store, extra=["--tier-path", f"dram={dram}"])
+    d.start()
+    try:
+        assert ok(d, "config", "show")["settings"]["tiers"]["dram"]["path"] == str(dram)
+    finally:
+        assert d.stop() == 0
+    with Store(store, readonly=True) as s:  # recorded: every process finds the one folder
+        assert s.config.tiers["dram"].path == str(dram)
+
+
+def test_a_dram_tier_on_disk_is_warned_of_and_an_empty_tier_can_be_removed(daemon: Daemon) -> None:
+    from store.private import MEMORY_FILESYSTEMS, filesystem_type
+
+    if filesystem_type(str(daemon.store)) in MEMORY_FILESYSTEMS:
+        pytest.skip("the store is on tmpfs: a dram tier there is where it belongs")
+    r = lmctl(daemon, "config", "set", "tiers.dram.capacity=64MiB")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    dram = daemon.store / "dram"
+    assert r.stderr.splitlines() == [f"lmctl: warning: tier dram's folder {dram} is on "
+                                     f"{filesystem_type(str(dram))}, not tmpfs: its chunks are on disk, not in "
+                                     "memory; give the dram tier a folder under /dev/shm (while it is empty: "
+                                     "tiers.dram=none, then tiers.dram.path=/dev/shm/... and tiers.dram.capacity)"]
+    assert ok(daemon, "status")["store"]["notes"] == [r.stderr.splitlines()[0].removeprefix("lmctl: warning: ")]
+    assert f"note: tier dram's folder {dram} is on" in lmctl(daemon, "status").stdout
+    assert ok(daemon, "move", "--to", "dram", "--model", "m")["chunks"] == 6
+    r = lmctl(daemon, "config", "set", "tiers.dram=none")
+    assert r.exit_code == 2 and re.fullmatch(
+        r"lmctl: tier dram holds 6 chunk\(s\), [\d.]+ KiB: move or evict them first \(lmctl move --tier dram --to "
+        r"nvme, or lmctl evict --tier dram\), then remove it\n", r.stderr), r.stderr
+    ok(daemon, "move", "--to", "nvme", "--tier", "dram")
+    removed = ok(daemon, "config", "set", "tiers.dram=none")["settings"]["tiers"]
+    assert list(removed) == ["nvme"]
+    assert ok(daemon, "status")["store"]["notes"] == [] and not list(dram.glob("seg-*"))
+    with library(daemon) as s:
+        assert list(s.config.tiers) == ["nvme"] and None not in s.locate(KEYS)
+    for setting, says in (("tiers.dram=none", "this store has no tier dram"),
+                          ("tiers.nvme=none", "a store needs at least one tier"),
+                          ("tiers.nvme=1GiB", "takes none")):
+        r = lmctl(daemon, "config", "set", setting)
+        assert r.exit_code == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_the_documented_config_file_is_read_and_shows_every_setting_of_daemon_and_remote_write() -> None:
+    from lmctl.settings import DAEMON_KEYS, check_values, read_config_file
+    from store.config import REMOTE_WRITES
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    toml = (docs / "cli.md").read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(toml)
+        f.flush()
+        daemon, changes = read_config_file(f.name)
+    check_values(changes)
+    assert sorted(daemon) == sorted(DAEMON_KEYS)
+    write = toml[toml.index("write = "):toml.index("password_file")]
+    assert all(f'"{w}"' in write for w in REMOTE_WRITES), write
+    guide = (docs / "operator-guide.md").read_text()
+    what = guide[guide.index("- **What it does**"):][:600]
+    assert all(re.search(f"[`\"]{w}[`\"]", what) for w in REMOTE_WRITES), what

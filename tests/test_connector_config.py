@@ -69,6 +69,7 @@ def test_store_path_must_be_a_path(extra: dict[str, Any], why: str) -> None:
     ("on_load_error", True, "on_load_error must be a string"),
     ("kv_layout", "NHD", "kv_layout must be one of BHNC"),
     ("kv_layout", 3, "kv_layout must be a string"),
+    ("dram_path", "shm/lmctl", "dram_path 'shm/lmctl' must be an absolute folder path"),  # found from each cwd
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(key: str, value: Any, why: str) -> None:
     with pytest.raises(StoreError, match=why):

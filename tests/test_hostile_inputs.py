@@ -71,12 +71,17 @@ HOSTILE_TOML = {
     "a NUL in the socket path": ('[daemon]\nsocket = "/tmp/a\\u0000b"\n', "NUL"),
     "a huge uid": ("[daemon]\nallow_uid = [99999999999999999999]\n", "not a uid"),
     "a huge gid": ("[daemon]\nsocket_group = 99999999999999999999\n", "not a uid or gid"),
-    "a huge duration": ("[store]\nretire_after_s = " + "9" * 400 + "\n", "out of range"),
-    "an infinite flush interval": ("[store]\naccess_flush_s = inf\n", "out of range"),
+    "a huge duration": ('[store]\nretire_after_s = "' + "9" * 30 + 'd"\n', "out of range"),
+    "a duration that is a bare number": ("[store]\nretire_after_s = 7\n",
+                                         'has no unit: write a duration in quotes, like "30s"'),
+    "an infinite flush interval": ("[store]\naccess_flush_s = inf\n", "has no unit"),
+    "a remote timeout that is a bare number": ('[remote]\nurl = "redis://h:1"\nio_timeout_s = 2\n', "has no unit"),
+    "a maintenance interval that is a bare number": ("[daemon]\nmaintenance_interval = 30\n", '"30s"'),
     "a garbage format version": ('[store]\nformat_version = "garbage"\n', "unknown setting"),
     "a table that is a string": ('daemon = "x"\n', "must be a table"),
     "a relative tier path": ('[tiers.dram]\ncapacity = "64MiB"\npath = "shm"\n', "absolute"),
-    "a maintenance interval of a nanosecond": ("[daemon]\nmaintenance_interval = 1e-9\n", "out of range: give 0.1s"),
+    "a maintenance interval of a nanosecond": ('[daemon]\nmaintenance_interval = "0.000000001s"\n',
+                                               "out of range: give 0.1s"),
 }
 
 
@@ -94,7 +99,7 @@ def test_intervals_and_timeouts_have_bounds(tmp_path: Path) -> None:
     d.start()
     try:
         before = cj(d, "config", "show")["settings"]
-        for setting in ("access_flush_s=0", "access_flush_s=2h", "remote.io_timeout_s=0.000000001",
+        for setting in ("access_flush_s=0s", "access_flush_s=2h", "remote.io_timeout_s=0.000000001s",
                         "remote.lookup_timeout_s=" + "9" * 400, "compact_dead_ratio=0", "segment_bytes=2TiB",
                         "remote.piece_bytes=1GiB", "retire_after_s=" + "9" * 400 + "d"):
             r = cli(d, "config", "set", setting)
@@ -103,6 +108,51 @@ def test_intervals_and_timeouts_have_bounds(tmp_path: Path) -> None:
         assert cj(d, "config", "show")["settings"] == before  # nothing applied
     finally:
         assert d.stop() == 0
+
+
+def test_a_duration_setting_without_a_unit_is_refused(tmp_path: Path) -> None:
+    """``retire_after_s=7`` may well mean seven days: refused as a size without a unit is,
+    from ``config set``, ``serve --set`` and the config file alike."""
+    for setting in ("retire_after_s=7", "compress_cold_after_s=0", "access_flush_s=1.5", "remote.io_timeout_s=2"):
+        one_usage_line(serve_with(tmp_path, "--set", setting), f"{setting.partition('=')[0]}: ", "has no unit")
+    d = Daemon(tmp_path / "store")
+    fill(tmp_path / "store")
+    d.start()
+    try:
+        before = cj(d, "config", "show")["settings"]
+        line = one_usage_line(cli(d, "config", "set", "retire_after_s=7"))
+        assert line == "lmctl: retire_after_s: '7' has no unit: write 7d, 7h, 7m or 7s", line
+        assert cj(d, "config", "show")["settings"] == before  # nothing applied
+        assert cj(d, "config", "set", "retire_after_s=7d")["settings"]["retire_after_s"] == 7 * 86400
+    finally:
+        assert d.stop() == 0
+
+
+def test_init_takes_no_folder_of_other_files_and_chmods_no_folder_it_did_not_make(tmp_path: Path) -> None:
+    def serve_init(store: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--init",
+                               "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True,
+                              env=env_with_path(), timeout=60)
+
+    mine = tmp_path / "notempty"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o755)
+    (mine / "readme").write_text("hi")
+    os.chmod(mine / "readme", 0o644)
+    line = one_usage_line(serve_init(mine), "is not empty and not an lmctl store", "'readme'")
+    assert os.listdir(mine) == ["readme"], line  # nothing made there
+    assert (oct(mine.stat().st_mode & 0o777), oct((mine / "readme").stat().st_mode & 0o777)) == ("0o755", "0o644")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    os.chmod(empty, 0o755)
+    one_usage_line(serve_init(empty), "mode 0755", f"chmod 0700 {empty}")
+    assert os.listdir(empty) == [] and empty.stat().st_mode & 0o777 == 0o755
+    os.chmod(empty, 0o700)  # made private by its owner: taken
+    d = Daemon(empty, tmp_path / "s.sock", ["--init"])
+    d.start()
+    assert d.stop() == 0
+    assert (empty / "index").is_dir() and empty.stat().st_mode & 0o777 == 0o700
+    assert not (tmp_path / "s.sock").exists()
 
 
 # a little TOML writer for the fuzz (values as TOML spells them)

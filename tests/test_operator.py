@@ -244,7 +244,7 @@ def test_serve_init_config_file_and_flags_then_config_show_and_set(tmp_path: Pat
     conf.write_text(f'''
 [daemon]
 socket = "{tmp_path / 'd.sock'}"
-maintenance_interval = 5
+maintenance_interval = "5s"
 
 [store]
 codec = "zstd-shuffle"
@@ -451,8 +451,8 @@ def test_bash_completion_install_says_how_to_load_it_without_bash_completion(tmp
 def test_sizes_and_budgets_an_operator_mistypes_are_refused(daemon: Daemon, tmp_path: Path) -> None:
     cj(daemon, "pin", "--label", "doc", "--tokens", tokens_file(tmp_path, TOKENS))
     for setting, why in (("tiers.nvme.capacity=10", "no unit"), ("tiers.nvme.capacity=1KiB", "too small"),
-                         ("tiers.nvme.capacity=1e400GiB", "not a size"), ("tiers.nvme.pin_budget=1.5", "fraction"),
-                         ("tiers.nvme.pin_budget=4KiB", "pinned bytes"), ("codec_level=nan", "number")):
+                         ("tiers.nvme.capacity=1e400GiB", "too large"), ("tiers.nvme.pin_budget=1.5", "fraction"),
+                         ("tiers.nvme.pin_budget=4KiB", "of pinned chunks"), ("codec_level=nan", "number")):
         r = cli(daemon, "config", "set", setting)
         assert r.returncode == 2 and why in r.stderr, (setting, r.stderr)
         no_traceback(r)
