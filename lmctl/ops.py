@@ -124,7 +124,24 @@ def op_pin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     label = _label(args)
     sel = select(store, {k: v for k, v in args.items() if k != "label"})
     keys = list(dict.fromkeys(sel.keys))
-    stored = sum(1 for t in store.locate(keys) if t is not None)
+    where = store.locate(keys)
+    stored = sum(1 for t in where if t is not None)
+    if sel.namespaces and not keys:
+        # a document shorter than one chunk has no chunk key: a pin would protect nothing
+        n, size = len(sel.token_ids or []), sel.namespaces[0].kv_format.chunk_size
+        raise UsageError(f"the document is {n} token(s), less than one chunk of {size}: nothing of it can be "
+                         "pinned (partial chunks are never stored)")
+    # a pin by key names a chunk that is stored (a whole key passes the selector as it is:
+    # a typo would be a pin that never protects anything); a document may be pinned ahead
+    explicit = {resolve_key(store, str(k)) for k in arg(args, "keys", list, [])}
+    absent = [k for k, t in zip(keys, where, strict=True) if t is None and k in explicit]
+    if absent:
+        raise UsageError(f"chunk key {absent[0].hex()[32:48]}… (namespace {absent[0].hex()[:8]}…) is not stored"
+                         + (f" (nor {len(absent) - 1} other key(s) given)" if len(absent) > 1 else "")
+                         + ": a pin by --key needs a stored chunk (lmctl ls shows them); to pin chunks before "
+                         "they are served, pin their document (--text, --file, --tokens or --messages)")
+    if not keys:
+        raise UsageError("nothing to pin: no stored chunk matches the selection")
     dry_run = arg(args, "dry_run", bool, False)
     expected = sel.namespaces[0].kv_format.chunk_bytes if sel.namespaces else 0
     # a dry run checks the pin budget as the real pin does, then changes nothing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import threading
@@ -268,3 +269,41 @@ def test_the_terminal_decides_colour_not_the_process(daemon: Daemon, tmp_path: P
     assert plain.exit_code == coloured.exit_code == 0
     assert "32 of 70 tokens cached" in plain.stdout and plain.stdout.count("│ miss │") == 2
     assert "\x1b[" not in plain.stdout and "\x1b[31mmiss" in coloured.stdout
+
+
+# -- pins that would protect nothing ----------------------------------------------------------
+def test_pinning_a_document_shorter_than_a_chunk_is_refused_and_leaves_no_record(daemon: Daemon,
+                                                                                 tmp_path: Path) -> None:
+    short = tokens_file(tmp_path, TOKENS[:10])  # 10 tokens: no full chunk of 16, no chunk key
+    r = lmctl(daemon, "pin", "--label", "x", "--tokens", short)
+    assert r.exit_code == ExitStatus.USAGE and r.stdout == ""
+    assert r.stderr == ("lmctl: the document is 10 token(s), less than one chunk of 16: nothing of it can be "
+                        "pinned (partial chunks are never stored)\n")
+    e = error(lmctl(daemon, "--json", "pin", "--label", "x", "--tokens", short, "--dry-run"))
+    assert e["code"] == "usage" and "less than one chunk" in e["message"]
+    assert not (daemon.store / "pinned-documents").exists() or os.listdir(daemon.store / "pinned-documents") == []
+    with library(daemon) as s:
+        assert s.labels() == {}
+    # a filter that matches no chunk pins nothing either, and says so
+    key = NS.chunk_keys(TOKENS)[0].hex()
+    r = lmctl(daemon, "pin", "--label", "x", "--key", key, "--older-than", "30d")
+    assert r.exit_code == ExitStatus.USAGE and "nothing to pin" in r.stderr
+    with library(daemon) as s:
+        assert s.labels() == {}
+
+
+def test_pinning_a_key_that_is_not_stored_is_refused_but_a_document_may_be_pinned_ahead(
+        daemon: Daemon, tmp_path: Path) -> None:
+    stored = NS.chunk_keys(TOKENS)[0].hex()
+    typo = stored[:-2] + ("00" if stored[-2:] != "00" else "11")  # a whole key, one byte off
+    r = lmctl(daemon, "pin", "--label", "ops", "--key", stored, "--key", typo)
+    assert r.exit_code == ExitStatus.USAGE and r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"lmctl: chunk key {typo[32:48]}… (namespace {typo[:8]}…) is not stored")
+    assert "pin their document" in r.stderr
+    assert error(lmctl(daemon, "--json", "pin", "--label", "ops", "--key", "ab" * 48, "--dry-run"))["exit"] == 2
+    with library(daemon) as s:
+        assert s.labels() == {}  # nothing pinned, not even the stored key given with the typo
+    # a stored key pins; a document never served pins ahead of time, as documented
+    assert ok(daemon, "pin", "--label", "ops", "--key", stored)["added"] == 1
+    ahead = ok(daemon, "pin", "--label", "ahead", "--tokens", tokens_file(tmp_path, list(range(900, 932))))
+    assert (ahead["chunks"], ahead["stored"], ahead["added"]) == (2, 0, 2)
