@@ -69,6 +69,15 @@ def _ns_json(store: Store, ns: Namespace, rec: Recorded | None = None) -> dict[s
 
 def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     explain = arg(args, "explain", bool, False)
+    given = filters_of(args)
+    if args.get("doc") is None and given:
+        # a filter picks chunks of many prompts (and of every namespace it admits): they make
+        # no prefix, so a hit ratio of them would mean nothing
+        flags = ", ".join("--" + ("unpinned" if f == "pinned" and args.get(f) is False else f.replace("_", "-"))
+                          for f in sorted(given))
+        raise UsageError(f"lookup answers for one prompt: give its document (--text, --file, --tokens or "
+                         f"--messages) with {flags}; to count the chunks it picks per model and adapter, "
+                         "run lmctl inspect with the same selectors")
     sel = select(store, {k: v for k, v in args.items() if k != "explain"})
     why: dict[str, Any] | None = None
     if explain and not sel.namespaces:

@@ -307,3 +307,29 @@ def test_pinning_a_key_that_is_not_stored_is_refused_but_a_document_may_be_pinne
     assert ok(daemon, "pin", "--label", "ops", "--key", stored)["added"] == 1
     ahead = ok(daemon, "pin", "--label", "ahead", "--tokens", tokens_file(tmp_path, list(range(900, 932))))
     assert (ahead["chunks"], ahead["stored"], ahead["added"]) == (2, 0, 2)
+
+
+def test_lookup_with_filters_and_no_document_is_refused_not_chained(tmp_path: Path) -> None:
+    fill(tmp_path / "store")
+    other = Namespace("m", FMT, cache_salt="tenant")  # a second namespace of model m
+    with Store(tmp_path / "store") as s:
+        s.register_namespace(other, {"model_id": "m", "tokenizer": None})
+        for k in other.chunk_keys(OTHER):
+            assert s.put(k, bytes(FMT.chunk_bytes), LAYOUT, tokens=16)
+    d = Daemon(tmp_path / "store")
+    d.start()
+    try:
+        r = lmctl(d, "lookup", "--model", "m")  # six chunks of two prompts and two chunks of another namespace
+        assert r.exit_code == ExitStatus.USAGE and r.stdout == "" and r.stderr.count("\n") == 1
+        assert r.stderr.startswith("lmctl: lookup answers for one prompt: give its document (--text, --file, "
+                                   "--tokens or --messages) with --model")
+        assert "run lmctl inspect with the same selectors" in r.stderr
+        assert error(lmctl(d, "--json", "lookup", "--unpinned", "--tier", "nvme"))["exit"] == 2
+        # the counts per namespace are inspect's answer
+        assert ok(d, "inspect", "--model", "m")["chunks"] == 8
+        # a document with the filter, and keys alone, still answer
+        assert ok(d, "lookup", "--model", "m", "--tokens", tokens_file(tmp_path, TOKENS))["hit_chunks"] == 4
+        keys = NS.chunk_keys(TOKENS)
+        assert ok(d, "lookup", "--key", keys[0].hex(), "--key", keys[1].hex())["hit_chunks"] == 2
+    finally:
+        assert d.stop() == 0
