@@ -36,7 +36,7 @@ SETTING_KEYS = (*STORE_SETTINGS, *(f"tiers.{t}.{k}" for t in ("dram", "nvme") fo
 VALUES: dict[str, tuple[str, ...]] = {
     "--sort": ("key", "age", "access", "size"),
     "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin"),
-    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": TIERS,
+    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": ("dram", "nvme"),
     "--codec": ("zstd-shuffle", "zstd", "raw"),
     "--log-level": ("debug", "info", "warning", "error"),
     "--shell": SHELLS, "SHELL": SHELLS,

@@ -66,7 +66,8 @@ SELECTORS: list[inspect.Parameter] = [
             help="chunks pinned under this label (pin/unpin: the pin's label)",
             autocompletion=_complete_names("labels"), rich_help_panel="Selectors")]),
         ("tier", None, Annotated[str | None, typer.Option(
-            help="dram, nvme or remote", autocompletion=complete_values("--tier"), rich_help_panel="Selectors")]),
+            help="dram or nvme (chunks in the remote tier are found by document or whole key)",
+            autocompletion=complete_values("--tier"), rich_help_panel="Selectors")]),
         ("older_than", None, Annotated[str | None, typer.Option(
             help="not used for this long: 90s, 30m, 12h, 7d, 1h30m (a unit is required)",
             rich_help_panel="Selectors")]),

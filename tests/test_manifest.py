@@ -307,3 +307,29 @@ def test_export_on_one_host_warm_on_another_from_the_remote_tier(tmp_path: Path,
     finally:
         assert a.stop() == 0
         assert b.stop() == 0
+
+
+# -- the remote tier as a selector ---------------------------------------------------------------
+def test_tier_remote_as_a_selector_is_refused_saying_how_remote_chunks_are_found(
+        tmp_path: Path, shared: Callable[..., Path]) -> None:
+    a_dir = shared("a")
+    doc = NS.chunk_keys(TOKENS)
+    with Store(a_dir) as s:
+        assert all(s.put_many([PutItem(k, content(k, FMT.chunk_bytes), LAYOUT, 16) for k in doc]))
+    a = Daemon(a_dir)
+    a.start()
+    try:
+        assert ok(a, "move", "--to", "remote", "--model", "m")["chunks"] == 4
+        for argv in (["ls", "--tier", "remote"], ["inspect", "--tier", "remote"],
+                     ["warm", "--tier", "remote", "--to", "nvme", "--dry-run"], ["evict", "--tier", "remote"]):
+            r = lmctl(a, *argv)
+            assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, argv
+            assert r.stderr.startswith("lmctl: --tier remote selects nothing: this store's index lists only the "
+                                       "chunks of its local tiers"), argv
+            assert "by document" in r.stderr and "whole key" in r.stderr
+        # what the message offers finds them
+        got = ok(a, "warm", "--tokens", tokens_file(tmp_path, TOKENS), "--to", "nvme", "--dry-run")
+        assert (got["chunks"], got["fetched"]) == (4, 4)
+        assert ok(a, "lookup", "--key", doc[0].hex())["tiers"] == {"remote": 1}
+    finally:
+        assert a.stop() == 0
