@@ -333,3 +333,36 @@ def test_lookup_with_filters_and_no_document_is_refused_not_chained(tmp_path: Pa
         assert ok(d, "lookup", "--key", keys[0].hex(), "--key", keys[1].hex())["hit_chunks"] == 2
     finally:
         assert d.stop() == 0
+
+
+# -- tokenizers: the caller's folders, local files only -----------------------------------------
+def _tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer saved as a model's folder holds one (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", *(f"w{i}" for i in range(40))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(folder))
+
+
+def test_tokenizer_folder_is_the_callers_and_ids_are_looked_up_locally_only(
+        daemon: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    _tiny_tokenizer(work / "tok")
+    (work / "sub").mkdir()
+    monkeypatch.chdir(work / "sub")  # the daemon runs elsewhere: ../tok means the caller's folder
+    text = " ".join(f"w{i}" for i in range(36))  # 36 tokens: two full chunks of 16
+    got = ok(daemon, "lookup", "--text", text, "--tokenizer", "../tok")
+    assert (got["total_tokens"], len(got["chunks"])) == (36, 2)
+    # a folder that is not there: the CLI says so, the daemon is never asked
+    r = lmctl(daemon, "lookup", "--text", text, "--tokenizer", "./nope")
+    assert r.exit_code == ExitStatus.USAGE and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("lmctl: --tokenizer ./nope: no such tokenizer folder")
+    # an id no local cache holds: one line at once, no wait on a hub that cannot answer
+    t0 = time.monotonic()
+    r = lmctl(daemon, "lookup", "--text", text, "--tokenizer", "no-such-org/no-such-tokenizer")
+    assert r.exit_code == ExitStatus.USAGE and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("lmctl: no tokenizer 'no-such-org/no-such-tokenizer' on this machine")
+    assert "downloads nothing" in r.stderr and time.monotonic() - t0 < 10
