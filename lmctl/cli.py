@@ -605,8 +605,12 @@ def next_page(term: Terminal, cursor: str) -> str:
     return line if term.keep_open else f"lmctl {line}"  # the shell's lines have no lmctl
 
 
-WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "fetched", "dry_run", "to",
-             "prefill")
+WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "unchecked", "fetched",
+             "dry_run", "to", "prefill")
+
+AllowMissing = Annotated[bool, typer.Option(
+    "--allow-missing", help="exit 0 even when selected chunks could not be warmed (in no tier, or the remote "
+                            "tier did not answer)")]
 
 
 @app.command()
@@ -620,7 +624,7 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
              metavar="FILE", help="warm every document of a manifest (pin --export-manifest writes one; "
                                   "'-': stdin)")] = None,
          pin_: Annotated[bool, typer.Option("--pin", help="with --manifest: also pin each entry under its label")]
-         = False, dry_run: DryRun = False) -> None:
+         = False, allow_missing: AllowMissing = False, dry_run: DryRun = False) -> None:
     """Before a restart or traffic shift: bring chunks (or a manifest's) into dram; --endpoint prefills the rest.
 
     \b
@@ -629,14 +633,14 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
       lmctl warm --manifest contracts.json --to nvme
       lmctl warm --model smollm2 --messages lease.json --endpoint http://127.0.0.1:8000
     """
-    from .manifest import warm_manifest
+    from .manifest import not_warmed, warm_manifest
     from .prefill import prefill
 
     term = Terminal.of(ctx)
 
     def body() -> None:
         if manifest is not None:
-            if not warm_manifest(term, manifest, sel, to, endpoint, pin_, dry_run):
+            if not warm_manifest(term, manifest, sel, to, endpoint, pin_, dry_run, allow_missing):
                 raise typer.Exit(ExitStatus.ERROR)
             return
         if pin_:
@@ -647,10 +651,12 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
             if to is None and "dram" not in term.call("status")["store"]["tiers"]:
                 # prefill only: the chunks stay where the engine wrote them
                 out.update({"chunks": 0, "bytes": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0,
-                            "missing": 0, "fetched": 0, "dry_run": dry_run, "to": None})
+                            "missing": 0, "unchecked": 0, "fetched": 0, "dry_run": dry_run, "to": None})
         if "to" not in out:
             out.update(term.call("warm", {**sel, "dry_run": dry_run, **({"to": to} if to else {})}, long=True))
         term.emit({k: out[k] for k in sorted(out, key=WARM_KEYS.index)}, _show_warm)
+        if not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None):
+            raise typer.Exit(ExitStatus.ERROR)
 
     term.run(body)
 
@@ -670,7 +676,8 @@ def _show_warm(term: Terminal, r: dict[str, Any]) -> None:
     fetched = f" ({r['fetched']} from the remote tier)" if r["fetched"] and not r["dry_run"] else ""
     term.say(f"{'would bring' if r['dry_run'] else 'brought'} {r['chunks']} chunk(s) into {r['to']}: {size}{fetched}"
              + (f"; {r['skipped']} already there" if r["skipped"] else "")
-             + (f"; {r['missing']} in no tier" if r["missing"] else ""))
+             + (f"; {r['missing']} in no tier" if r["missing"] else "")
+             + (f"; remote tier did not answer ({r['unchecked']} chunk(s) not checked)" if r["unchecked"] else ""))
 
 
 @app.command()

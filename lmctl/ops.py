@@ -295,7 +295,9 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     configured_tier(store, to, "--to")
     dry_run = arg(args, "dry_run", bool, False)
     keys = list(dict.fromkeys(select(store, args).keys))
-    where = store.locate(keys)  # one round trip to the remote tier, for what the local tiers lack
+    # one round trip to the remote tier, for what the local tiers lack; what it did not answer
+    # for is "unchecked", not "in no tier"
+    where, unchecked = store.locate_checked(keys)
     local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote")]
     remote = [k for k, t in zip(keys, where, strict=True) if t == "remote"]
     total = len(local) + len(remote)
@@ -304,7 +306,8 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     got = _fetch(store, remote, to, dry_run, lambda d: job.progress(len(local) + d, total, "fetching from remote"))
     return {"chunks": res.chunks + got.chunks, "bytes": res.bytes_before + got.bytes_before,
             "bytes_before": res.bytes_before + got.bytes_before, "bytes_after": res.bytes_after + got.bytes_after,
-            "skipped": res.skipped + got.skipped, "missing": res.missing + where.count(None) + got.missing,
+            "skipped": res.skipped + got.skipped,
+            "missing": res.missing + where.count(None) - unchecked + got.missing, "unchecked": unchecked,
             "dry_run": dry_run, "to": to, "fetched": got.chunks}
 
 
