@@ -259,11 +259,87 @@ def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any)
             "bytes_after": res.bytes_after, "skipped": res.skipped, "missing": res.missing, "dry_run": dry_run}
 
 
+@dataclasses.dataclass
+class Fit:
+    """What of a selection a local tier can keep: ``take`` (the keys to bring in, in the
+    selection's order), ``left`` (chunks ``--partial`` leaves where they are), ``room`` (the
+    tier's room for the selection, bytes) and ``need`` (the selection's bytes there)."""
+
+    take: list[bytes]
+    left: int
+    room: int
+    need: int
+
+
+def _fit(store: Store, keys: list[bytes], where: list[str | None], tier: str, partial: bool) -> Fit:
+    """Check a selection against a local tier's room before anything moves: the tier keeps
+    up to its low watermark of its capacity (eviction trims it down to that), less what its
+    pinned chunks outside the selection hold. The selection's bytes are its chunks' bytes on
+    disk, those already in the tier included (chunks only the remote tier holds have sizes
+    known once fetched: they are not counted). Over the room, the move is refused with one
+    line (it would evict part of what it brings in, or pinned chunks brought in before);
+    with ``partial`` the chunks that fit are taken in order and the rest left."""
+    from .terminal import human
+
+    cap = store.config.tiers[tier].capacity
+    room = int(cap * store.config.low_watermark)
+    sizes: list[int] = []
+    pinned_in = 0
+    for k, t in zip(keys, where, strict=True):
+        info = store.info(k) if t not in (None, "remote") else None
+        sizes.append(0 if info is None else info.disk_bytes)
+        if info is not None and info.tier == tier and info.pin_refs > 0:
+            pinned_in += info.disk_bytes
+    pinned_other = max(0, store.stats().tiers[tier].pinned_bytes - pinned_in)
+    room = max(0, room - pinned_other)
+    need = sum(sizes)
+    if need <= room:
+        return Fit(keys, 0, room, need)
+    if not partial:
+        held = f", less {human(pinned_other)} of pinned chunks outside the selection" if pinned_other else ""
+        raise StoreError(
+            f"the selection ({human(need)} in {len(keys)} chunk(s)) exceeds {tier}'s room ({human(room)}: "
+            f"{int(store.config.low_watermark * 100)}% of its {human(cap)} capacity{held}); bringing it in would "
+            f"evict part of it again: select less, give {tier} more capacity (lmctl config set "
+            f"tiers.{tier}.capacity=SIZE), or add --partial to bring in what fits, in order")
+    take: list[bytes] = []
+    used = 0
+    for k, n in zip(keys, sizes, strict=True):  # a prefix: a document's first chunks are what hits
+        if used + n > room:
+            break
+        used += n
+        take.append(k)
+    left = sum(1 for t in where[len(take):] if t is not None)
+    return Fit(take, left, room, need)
+
+
+def _in_tier(store: Store, keys: list[bytes], where: list[str | None], tier: str, dry_run: bool, fit: Fit) -> int:
+    """How many chunks of the selection are in ``tier`` at the end (a dry run: how many would
+    be, those it brings in and those there already)."""
+    if dry_run:
+        return sum(1 for t in where[:len(fit.take)] if t is not None)
+    return sum(1 for t in store.locate(keys, remote=False) if t == tier)
+
+
 def op_move(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     tier = configured_tier(store, arg(args, "to", str, ""), "--to")
-    out = _rewrite(store, args, job, f"moving to {tier}", tier=tier)
-    out["to"] = tier
-    return out
+    partial = arg(args, "partial", bool, False)
+    if tier == "remote":
+        if partial:
+            raise UsageError("--partial goes with a local tier (--to dram or nvme): the remote tier's room is the "
+                             "server's")
+        out = _rewrite(store, args, job, f"moving to {tier}", tier=tier)
+        out.update(to=tier, left=0, room=None, in_tier=None)  # the server's room is not known here
+        return out
+    keys = list(dict.fromkeys(select(store, args).keys))
+    dry_run = arg(args, "dry_run", bool, False)
+    where = store.locate(keys, remote=False)
+    fit = _fit(store, keys, where, tier, partial)
+    res = store.rewrite(fit.take, tier=tier, progress=lambda d, t: job.progress(d, t, f"moving to {tier}"),
+                        dry_run=dry_run)
+    return {"chunks": res.chunks, "bytes": res.bytes_before, "bytes_before": res.bytes_before,
+            "bytes_after": res.bytes_after, "skipped": res.skipped, "missing": res.missing, "dry_run": dry_run,
+            "to": tier, "left": fit.left, "room": fit.room, "in_tier": _in_tier(store, keys, where, tier, dry_run, fit)}
 
 
 def op_compress(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -298,8 +374,10 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     # one round trip to the remote tier, for what the local tiers lack; what it did not answer
     # for is "unchecked", not "in no tier"
     where, unchecked = store.locate_checked(keys)
-    local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote")]
-    remote = [k for k, t in zip(keys, where, strict=True) if t == "remote"]
+    fit = _fit(store, keys, where, to, arg(args, "partial", bool, False))
+    taken = set(fit.take)
+    local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote") and k in taken]
+    remote = [k for k, t in zip(keys, where, strict=True) if t == "remote" and k in taken]
     total = len(local) + len(remote)
     res = store.rewrite(local, tier=to, progress=lambda d, t: job.progress(d, total, f"warming into {to}"),
                         dry_run=dry_run)
@@ -308,7 +386,8 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             "bytes_before": res.bytes_before + got.bytes_before, "bytes_after": res.bytes_after + got.bytes_after,
             "skipped": res.skipped + got.skipped,
             "missing": res.missing + where.count(None) - unchecked + got.missing, "unchecked": unchecked,
-            "dry_run": dry_run, "to": to, "fetched": got.chunks}
+            "dry_run": dry_run, "to": to, "fetched": got.chunks, "left": fit.left, "room": fit.room,
+            "in_tier": _in_tier(store, keys, where, to, dry_run, fit)}
 
 
 def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Callable[[int], None]) -> RewriteResult:

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 import typer
-from conftest import env_with_path, flip_byte
+from conftest import content, env_with_path, flip_byte
 from test_daemon import FMT, LAYOUT, NS, OTHER, TOKENS, Daemon, fill, library, tokens_file
 from typer.testing import CliRunner, Result
 
 from lmctl.cli import app
 from lmctl.client import Client, RemoteError, Unreachable
 from lmctl.terminal import CommandError, ExitStatus, Terminal, classify
-from store import AdapterIdentity, Namespace, Store, adapter_digest
+from store import AdapterIdentity, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig, adapter_digest
 
 
 def lmctl(d: Daemon | None, *args: str, term: Terminal | None = None) -> Result:
@@ -366,3 +366,57 @@ def test_tokenizer_folder_is_the_callers_and_ids_are_looked_up_locally_only(
     assert r.exit_code == ExitStatus.USAGE and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("lmctl: no tokenizer 'no-such-org/no-such-tokenizer' on this machine")
     assert "downloads nothing" in r.stderr and time.monotonic() - t0 < 10
+
+
+# -- warm and move into a tier smaller than the selection ------------------------------------------
+BIG = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=256, chunk_size=256)  # 1 MiB a chunk
+BIG_NS = Namespace("big", BIG)
+
+
+def _small_dram(path: Path, chunks: int) -> list[bytes]:
+    """A store whose dram tier (16 MiB: 14.4 MiB of room) is smaller than ``chunks`` MiB of chunks on nvme."""
+    tiers = {"nvme": TierConfig(capacity=256 * MiB), "dram": TierConfig(capacity=16 * MiB, path=str(path / "dram"))}
+    layout = {"dtype": "bfloat16", "shape": list(BIG.chunk_shape)}
+    with Store(path, StoreConfig(tiers=tiers, default_tier="nvme", segment_bytes=4 * MiB, codec="raw")) as s:
+        s.register_namespace(BIG_NS, {"model_id": "big", "tokenizer": None})
+        keys = BIG_NS.chunk_keys(list(range(256 * chunks)))
+        for k in keys:
+            assert s.put(k, content(k, BIG.chunk_bytes), layout, tokens=256)
+    return keys
+
+
+def test_warm_and_move_into_a_tier_too_small_are_refused_or_partial_and_say_what_stayed(tmp_path: Path) -> None:
+    keys = _small_dram(tmp_path / "s", 20)
+    d = Daemon(tmp_path / "s")
+    d.start()
+    try:
+        for argv in (["move", "--to", "dram", "--model", "big"], ["warm", "--model", "big"],
+                     ["warm", "--model", "big", "--dry-run"]):
+            r = lmctl(d, *argv)
+            assert r.exit_code == ExitStatus.ERROR and r.stdout == "" and r.stderr.count("\n") == 1, argv
+            assert re.match(r"lmctl: the selection \(20\.\d MiB in 20 chunk\(s\)\) exceeds dram's room \(14\.4 MiB: "
+                            r"90% of its 16\.0 MiB capacity\); bringing it in would evict part of it again: .*"
+                            r"add --partial to bring in what fits, in order\n", r.stderr), r.stderr
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["nvme"] * 20  # nothing moved
+
+        # --partial brings in a prefix that fits (a filter selects in key order), and every chunk it
+        # reports is there at the end
+        keys = sorted(keys)
+        r = ok(d, "move", "--to", "dram", "--model", "big", "--partial")
+        n = r["chunks"]
+        assert 10 <= n < 15 and (r["left"], r["in_tier"], r["room"]) == (20 - n, n, int(16 * MiB * 0.9))
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["dram"] * n + ["nvme"] * (20 - n)
+        # pinned chunks in dram outside the selection take room: a warm of the rest is refused
+        ok(d, "pin", "--label", "hot", *[a for k in keys[:4] for a in ("--key", k.hex())])
+        e = error(lmctl(d, "--json", "warm", *[a for k in keys[4:] for a in ("--key", k.hex())]))
+        assert e["exit"] == 1 and "exceeds dram's room (10.4 MiB" in e["message"]
+        assert "less 4.0 MiB of pinned chunks outside the selection" in e["message"]
+        text = lmctl(d, "warm", "--label", "hot")  # already there: fits, and says what is in dram
+        assert text.exit_code == 0 and text.stdout.endswith("; 4 already there; 4 chunk(s) of the selection "
+                                                            "are in dram now\n"), text.stdout
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["dram"] * n + ["nvme"] * (20 - n)  # the pins stayed in dram
+    finally:
+        assert d.stop() == 0

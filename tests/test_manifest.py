@@ -368,7 +368,7 @@ def test_warm_that_leaves_chunks_cold_exits_1_and_an_unanswering_remote_is_not_i
         r = lmctl(b, "warm", "--tokens", doc_file, "--to", "nvme")
         assert r.exit_code == 1
         assert r.stdout == ("brought 0 chunk(s) into nvme: 0 B; remote tier did not answer (4 chunk(s) not "
-                            "checked)\n")
+                            "checked); 0 chunk(s) of the selection are in nvme now\n")
         assert r.stderr == ("lmctl: 4 selected chunk(s) were not warmed (4 not checked (the remote tier did not "
                             "answer)); exit 1 (--allow-missing accepts that)\n")
         j = lmctl(b, "--json", "warm", "--tokens", doc_file, "--to", "nvme", "--dry-run")
