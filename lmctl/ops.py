@@ -381,35 +381,39 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     total = len(local) + len(remote)
     res = store.rewrite(local, tier=to, progress=lambda d, t: job.progress(d, total, f"warming into {to}"),
                         dry_run=dry_run)
-    got = _fetch(store, remote, to, dry_run, lambda d: job.progress(len(local) + d, total, "fetching from remote"))
+    got, lost = _fetch(store, remote, to, dry_run,
+                       lambda d: job.progress(len(local) + d, total, "fetching from remote"))
     return {"chunks": res.chunks + got.chunks, "bytes": res.bytes_before + got.bytes_before,
             "bytes_before": res.bytes_before + got.bytes_before, "bytes_after": res.bytes_after + got.bytes_after,
             "skipped": res.skipped + got.skipped,
-            "missing": res.missing + where.count(None) - unchecked + got.missing, "unchecked": unchecked,
+            "missing": res.missing + where.count(None) - unchecked + got.missing, "unchecked": unchecked + lost,
             "dry_run": dry_run, "to": to, "fetched": got.chunks, "left": fit.left, "room": fit.room,
             "in_tier": _in_tier(store, keys, where, to, dry_run, fit)}
 
 
-def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Callable[[int], None]) -> RewriteResult:
+def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool,
+           progress: Callable[[int], None]) -> tuple[RewriteResult, int]:
     """Bring chunks only the remote tier holds into the local tier ``to`` (``chunks``: those
     brought, with their stored bytes here; ``skipped``: read but left in another local tier,
     as ``Store.rewrite`` counts a chunk it could not place; ``missing``: gone from the server
-    since they were located). A dry run reads nothing and counts every one as brought. A
-    store read fetches and verifies a chunk and (with ``remote.promote``) stores it in the
-    default tier, from where it is moved; without promotion it is stored here."""
+    since they were located), and how many could not be read because the server stopped
+    answering meanwhile (unchecked, not missing). A dry run reads nothing and counts every
+    one as brought. A store read fetches and verifies a chunk and (with ``remote.promote``)
+    stores it in the default tier, from where it is moved; without promotion it is stored here."""
     out = RewriteResult()
     if dry_run:
         out.chunks = len(keys)
-        return out
+        return out, 0
     elsewhere: list[bytes] = []
+    lost: list[bytes] = []
     for n, key in enumerate(keys):
         progress(n)
         chunk = store.get(key)
         if chunk is not None and store.info(key) is None:
             store.put_many([PutItem(key, chunk.data, chunk.layout, chunk.tokens)], tier=to)
         info = store.info(key)
-        if info is None:  # gone from the server, or no room here: a miss
-            out.missing += 1
+        if info is None:  # gone from the server, the server stopped answering, or no room here
+            lost.append(key)
         elif info.tier != to:
             elsewhere.append(key)
         else:
@@ -423,8 +427,10 @@ def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Ca
         out.bytes_after += r.bytes_after
         out.skipped += r.skipped
         out.missing += r.missing
+    unchecked = store.locate_checked(lost)[1] if lost else 0  # asked again: "not there", or no answer
+    out.missing += len(lost) - unchecked
     progress(len(keys))
-    return out
+    return out, unchecked
 
 
 #: entries of an export are streamed in frames of about this size (a frame holds at most 8 MiB)

@@ -394,3 +394,30 @@ def test_warm_that_leaves_chunks_cold_exits_1_and_an_unanswering_remote_is_not_i
         if paused:
             redis.signal(signal.SIGCONT)
         assert b.stop() == 0
+
+
+def test_a_server_that_stops_answering_during_warm_leaves_chunks_unchecked_not_missing(
+        tmp_path: Path, shared: Callable[..., Path]) -> None:
+    from lmctl.ops import Job, op_warm
+
+    a_dir, b_dir = shared("a"), shared("b")
+    redis: Server = shared.redis  # type: ignore[attr-defined]
+    doc = NS.chunk_keys(TOKENS)
+    with Store(a_dir) as s:
+        assert all(s.put_many([PutItem(k, content(k, FMT.chunk_bytes), LAYOUT, 16) for k in doc]))
+    with Store(b_dir) as b:
+        real_get = b.get
+        reads = []
+
+        def get(key: bytes, *a: Any, **kw: Any) -> Any:  # the server hangs after the first chunk
+            reads.append(key)
+            if len(reads) == 2:
+                redis.signal(signal.SIGSTOP)
+            return real_get(key, *a, **kw)
+
+        b.get = get  # type: ignore[method-assign]
+        try:
+            got = op_warm(b, {"keys": [k.hex() for k in doc], "to": "nvme"}, Job())
+        finally:
+            redis.signal(signal.SIGCONT)
+        assert (got["chunks"], got["fetched"], got["missing"], got["unchecked"]) == (1, 1, 0, 3)
