@@ -269,7 +269,8 @@ def not_warmed(term: Terminal, r: dict[str, Any], allow: bool, estimate: bool) -
     return True
 
 
-ROW_COUNTS = ("chunks", "found", "moved", "fetched", "already", "prefilled", "missing", "unchecked", "bytes")
+ROW_COUNTS = ("chunks", "found", "moved", "fetched", "already", "prefilled", "missing", "unchecked", "bytes",
+              "in_tier")
 
 
 def _target(term: Terminal, to: str | None) -> str:
@@ -312,6 +313,11 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
 
             step(0, 0, "warming")
             rows.append(_warm_entry(term, e, salt, tier, base, pin, dry_run, step))
+        if not dry_run:  # what is in the tier at the end: a later entry may have pushed out an earlier one's
+            for e, row in zip(entries, rows, strict=True):
+                if row["error"] is None:
+                    update(e.index, n, f"{e.index + 1}/{n}: counting what stayed in {tier}")
+                    row["in_tier"] = _in_tier_now(term, e, salt, tier, row["in_tier"])
         update(n, n, "done")
     out: dict[str, Any] = {"manifest": path, "to": tier, "dry_run": dry_run, "entries": rows}
     for k in ROW_COUNTS:
@@ -320,6 +326,15 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
     term.emit(out, _show_warm_manifest)
     cold = not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None)
     return out["failed"] == 0 and not cold
+
+
+def _in_tier_now(term: Terminal, e: Entry, cache_salt: str | None, tier: str, before: int) -> int:
+    """How many of an entry's chunks are in ``tier`` now: those a dry-run warm would find
+    there already (``before``, what its warm reported, if that cannot be asked)."""
+    try:
+        return int(term.call("warm", {**e.request(cache_salt), "to": tier, "dry_run": True})["skipped"])
+    except (RemoteError, CommandError):
+        return before
 
 
 def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, endpoint: str | None, pin: bool,
@@ -344,7 +359,7 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
         found = r["chunks"] + r["skipped"]
         row.update(chunks=found + r["missing"] + r["unchecked"], found=found if found_before is None else found_before,
                    moved=r["chunks"], fetched=r["fetched"], already=r["skipped"], missing=r["missing"],
-                   unchecked=r["unchecked"],
+                   unchecked=r["unchecked"], in_tier=r["in_tier"] or 0,
                    prefilled=0 if found_before is None else max(0, found - found_before), bytes=r["bytes"])
         if pin:
             row["pinned"] = term.call("pin", {**sel, "label": e.label, "dry_run": dry_run})["added"]
@@ -370,7 +385,9 @@ def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
              f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
              f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
              + (f"; remote tier did not answer ({r['unchecked']} chunk(s) not checked)" if r["unchecked"] else "")
-             + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
+             + (f"; {entries(r['failed'])} failed" if r["failed"] else "")
+             + f"; {r['in_tier']} chunk(s) of the manifest {'would be' if r['dry_run'] else 'are'} in {r['to']}"
+             + (" then" if r["dry_run"] else " now"))
     for x in r["entries"]:
         if x["error"]:
             print(f"lmctl: documents[{x['index']}]: {printable(x['error']['message'])}", file=term.err)

@@ -420,3 +420,26 @@ def test_warm_and_move_into_a_tier_too_small_are_refused_or_partial_and_say_what
             assert s.locate(keys, remote=False) == ["dram"] * n + ["nvme"] * (20 - n)  # the pins stayed in dram
     finally:
         assert d.stop() == 0
+
+
+def test_warm_manifest_reports_what_stayed_in_the_tier_when_entries_push_each_other_out(tmp_path: Path) -> None:
+    keys = sorted(_small_dram(tmp_path / "s", 20))
+    manifest = tmp_path / "m.json"  # two entries that fit dram's room one at a time, not together
+    manifest.write_text(json.dumps([{"label": "a", "keys": [k.hex() for k in keys[:10]]},
+                                    {"label": "b", "keys": [k.hex() for k in keys[10:]]}]))
+    d = Daemon(tmp_path / "s")
+    d.start()
+    try:
+        dry = ok(d, "warm", "--manifest", str(manifest), "--dry-run")
+        assert (dry["moved"], dry["in_tier"]) == (20, 20)  # each entry alone would fit
+        r = lmctl(d, "--json", "warm", "--manifest", str(manifest))
+        got = json.loads(r.stdout)
+        assert r.exit_code == 0 and got["moved"] == 20 and got["failed"] == 0
+        with library(d) as s:
+            there = s.locate(keys, remote=False).count("dram")
+        assert there < 20 and got["in_tier"] == there  # the second entry pushed part of the first out
+        assert sum(x["in_tier"] for x in got["entries"]) == there
+        text = lmctl(d, "warm", "--manifest", str(manifest), "--to", "nvme")
+        assert text.exit_code == 0 and text.stdout.endswith("; 20 chunk(s) of the manifest are in nvme now\n")
+    finally:
+        assert d.stop() == 0
