@@ -145,6 +145,10 @@ def keys_only(term: Terminal, keys: list[str | None]) -> None:
         term.echo("\n".join(shown))
 
 
+Partial = Annotated[bool, typer.Option(
+    "--partial", help="when the selection exceeds the tier's room, bring in what fits, in order (else refused)")]
+
+
 # -- serve ------------------------------------------------------------------------------------
 @contextmanager
 def _daemon_errors() -> Iterator[None]:
@@ -761,17 +765,29 @@ def _show_victims(term: Terminal, rows: list[dict[str, Any]], total: int) -> Non
 @with_selectors
 def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Option(
         help="destination tier: dram, nvme or remote", autocompletion=complete_values("--to"))],
-         dry_run: DryRun = False) -> None:
-    """Move chunks to another tier.
+         partial: Partial = False, dry_run: DryRun = False) -> None:
+    """Move chunks to another tier (refused when the selection exceeds a local tier's room).
 
     \b
     Examples:
       lmctl move --to dram --label contracts
+      lmctl move --to dram --model smollm2 --partial
       lmctl move --to remote --base --older-than 1d --dry-run
     """
-    _mutate(ctx, "move", {**sel, "to": to}, dry_run, lambda r: (
+    _mutate(ctx, "move", {**sel, "to": to, **({"partial": True} if partial else {})}, dry_run, lambda r: (
         f"{'would move' if r['dry_run'] else 'moved'} {r['chunks']} chunk(s), {human(r['bytes'])} to {r['to']}"
-        + (f" ({r['skipped']} already there)" if r["skipped"] else "")), long=True)
+        + (f" ({r['skipped']} already there)" if r["skipped"] else "") + in_tier_now(r)), long=True)
+
+
+def in_tier_now(r: dict[str, Any]) -> str:
+    """What a move or warm into a local tier left there: the selection's chunks in the tier at
+    the end (what eviction may have pushed out again shows here), and what --partial left."""
+    if r.get("in_tier") is None:
+        return ""
+    return ((f"; --partial left {r['left']} chunk(s) where they were (over {human(r['room'])} of room)"
+             if r["left"] else "")
+            + f"; {r['in_tier']} chunk(s) of the selection {'would be' if r['dry_run'] else 'are'} in {r['to']}"
+            + (" then" if r["dry_run"] else " now"))
 
 
 @app.command()
@@ -974,8 +990,12 @@ def next_page(term: Terminal, cursor: str) -> str:
     return line if term.keep_open else f"lmctl {line}"  # the shell's lines have no lmctl
 
 
-WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "fetched", "dry_run", "to",
-             "prefill")
+WARM_KEYS = ("chunks", "bytes", "bytes_before", "bytes_after", "skipped", "missing", "unchecked", "fetched",
+             "dry_run", "to", "left", "room", "in_tier", "prefill")
+
+AllowMissing = Annotated[bool, typer.Option(
+    "--allow-missing", help="exit 0 even when selected chunks could not be warmed (in no tier, or the remote "
+                            "tier did not answer)")]
 
 
 @app.command()
@@ -989,7 +1009,7 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
              metavar="FILE", help="warm every document of a manifest (pin --export-manifest writes one; "
                                   "'-': stdin)")] = None,
          pin_: Annotated[bool, typer.Option("--pin", help="with --manifest: also pin each entry under its label")]
-         = False, dry_run: DryRun = False) -> None:
+         = False, allow_missing: AllowMissing = False, partial: Partial = False, dry_run: DryRun = False) -> None:
     """Before a restart or traffic shift: bring chunks (or a manifest's) into dram; --endpoint prefills the rest.
 
     \b
@@ -998,14 +1018,14 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
       lmctl warm --manifest contracts.json --to nvme
       lmctl warm --model smollm2 --messages lease.json --endpoint http://127.0.0.1:8000
     """
-    from .manifest import warm_manifest
+    from .manifest import not_warmed, warm_manifest
     from .prefill import prefill
 
     term = Terminal.of(ctx)
 
     def body() -> None:
         if manifest is not None:
-            if not warm_manifest(term, manifest, sel, to, endpoint, pin_, dry_run):
+            if not warm_manifest(term, manifest, sel, to, endpoint, pin_, dry_run, allow_missing):
                 raise typer.Exit(ExitStatus.ERROR)
             return
         if pin_:
@@ -1016,10 +1036,14 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
             if to is None and "dram" not in term.call("status")["store"]["tiers"]:
                 # prefill only: the chunks stay where the engine wrote them
                 out.update({"chunks": 0, "bytes": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0,
-                            "missing": 0, "fetched": 0, "dry_run": dry_run, "to": None})
+                            "missing": 0, "unchecked": 0, "fetched": 0, "dry_run": dry_run, "to": None,
+                            "left": 0, "room": None, "in_tier": None})
         if "to" not in out:
-            out.update(term.call("warm", {**sel, "dry_run": dry_run, **({"to": to} if to else {})}, long=True))
+            out.update(term.call("warm", {**sel, "dry_run": dry_run, **({"to": to} if to else {}),
+                                          **({"partial": True} if partial else {})}, long=True))
         term.emit({k: out[k] for k in sorted(out, key=WARM_KEYS.index)}, _show_warm)
+        if not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None):
+            raise typer.Exit(ExitStatus.ERROR)
 
     term.run(body)
 
@@ -1039,7 +1063,9 @@ def _show_warm(term: Terminal, r: dict[str, Any]) -> None:
     fetched = f" ({r['fetched']} from the remote tier)" if r["fetched"] and not r["dry_run"] else ""
     term.say(f"{'would bring' if r['dry_run'] else 'brought'} {r['chunks']} chunk(s) into {r['to']}: {size}{fetched}"
              + (f"; {r['skipped']} already there" if r["skipped"] else "")
-             + (f"; {r['missing']} in no tier" if r["missing"] else ""))
+             + (f"; {r['missing']} in no tier" if r["missing"] else "")
+             + (f"; remote tier did not answer ({r['unchecked']} chunk(s) not checked)" if r["unchecked"] else "")
+             + in_tier_now(r))
 
 
 @app.command()

@@ -53,7 +53,7 @@ def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 VALUES: dict[str, tuple[str, ...]] = {
     "--sort": ("key", "age", "access", "size"),
     "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin"),
-    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": TIERS,
+    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": ("dram", "nvme"),
     "--codec": ("zstd-shuffle", "zstd", "raw"),
     "--log-level": ("debug", "info", "warning", "error"),
     "--output": ("wide", "tsv", "name"),

@@ -5,7 +5,8 @@
   tokenized without adding special tokens (the template has them), as vLLM does for a
   chat completion.
 
-The tokenizer is the one the engine hook recorded for the model (or ``--tokenizer``).
+The tokenizer is the one the engine hook recorded for the model (or ``--tokenizer``), from
+local files only (a folder, or the local Hugging Face cache): nothing is downloaded.
 Tokenizers are loaded once and kept. ``transformers`` is imported here only, never by
 the CLI process.
 """
@@ -35,9 +36,15 @@ def load_tokenizer(source: str, revision: str | None = None) -> Any:
         raise StoreError("turning text into tokens needs the 'transformers' package in the daemon's "
                          "environment; pass --tokens FILE instead") from None
     try:
-        tok = AutoTokenizer.from_pretrained(source, revision=revision)
+        # local files only: a daemon never reaches the network because of a CLI flag, and a
+        # typo fails at once instead of after a hub lookup that cannot succeed
+        tok = AutoTokenizer.from_pretrained(source, revision=revision, local_files_only=True)
+    except OSError:
+        raise UsageError(f"no tokenizer {source!r} on this machine: it is neither a tokenizer folder nor a model "
+                         "in the daemon's local Hugging Face cache (the daemon downloads nothing); give its "
+                         "folder with --tokenizer PATH, or the token ids with --tokens FILE") from None
     except Exception as exc:
-        raise StoreError(f"cannot load the tokenizer {source!r}: {exc}") from None
+        raise StoreError(f"cannot load the tokenizer {source!r}: {' '.join(str(exc).split())}") from None
     with _lock:
         _cache[key] = tok
     return tok

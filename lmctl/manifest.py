@@ -252,7 +252,25 @@ def _show_export(term: Terminal, r: dict[str, Any]) -> None:
 
 
 # -- warm --manifest ---------------------------------------------------------------------------
-ROW_COUNTS = ("chunks", "found", "moved", "fetched", "already", "prefilled", "missing", "bytes")
+def not_warmed(term: Terminal, r: dict[str, Any], allow: bool, estimate: bool) -> bool:
+    """Whether a warm left selected chunks cold (in no tier, or unchecked: the remote tier did
+    not answer) and that fails the command: it says so on stderr (a person's output) and the
+    caller exits 1, unless ``allow`` (--allow-missing). ``estimate``: a dry run with a prefill
+    to come, which may store what is missing now: never a failure."""
+    cold = r["missing"] + r["unchecked"]
+    if not cold or allow or estimate:
+        return False
+    if not term.json:
+        why = " and ".join(x for x in (f"{r['missing']} in no tier" if r["missing"] else "",
+                                       f"{r['unchecked']} not checked (the remote tier did not answer)"
+                                       if r["unchecked"] else "") if x)
+        print(f"lmctl: {cold} selected chunk(s) {'would not be' if r['dry_run'] else 'were not'} warmed ({why}); "
+              "exit 1 (--allow-missing accepts that)", file=term.err)
+    return True
+
+
+ROW_COUNTS = ("chunks", "found", "moved", "fetched", "already", "prefilled", "missing", "unchecked", "bytes",
+              "in_tier")
 
 
 def _target(term: Terminal, to: str | None) -> str:
@@ -273,9 +291,10 @@ def _progress(term: Terminal) -> Iterator[Callable[[int, int, str], None]]:
 
 
 def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None, endpoint: str | None,
-                  pin: bool, dry_run: bool) -> bool:
+                  pin: bool, dry_run: bool, allow_missing: bool = False) -> bool:
     """``warm --manifest``: warm every entry; an entry that fails is reported and the others
-    still run. Whether every entry succeeded."""
+    still run. Whether every entry succeeded and (unless ``allow_missing``) every chunk was
+    warmed: none is missing, or unchecked because the remote tier did not answer."""
     other = [k for k in sel if k != "salt"]
     if other:
         raise CommandError("usage", f"--manifest takes its selectors from the manifest: drop {_options(other)}")
@@ -294,13 +313,28 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
 
             step(0, 0, "warming")
             rows.append(_warm_entry(term, e, salt, tier, base, pin, dry_run, step))
+        if not dry_run:  # what is in the tier at the end: a later entry may have pushed out an earlier one's
+            for e, row in zip(entries, rows, strict=True):
+                if row["error"] is None:
+                    update(e.index, n, f"{e.index + 1}/{n}: counting what stayed in {tier}")
+                    row["in_tier"] = _in_tier_now(term, e, salt, tier, row["in_tier"])
         update(n, n, "done")
     out: dict[str, Any] = {"manifest": path, "to": tier, "dry_run": dry_run, "entries": rows}
     for k in ROW_COUNTS:
         out[k] = sum(r[k] for r in rows)
     out["failed"] = sum(1 for r in rows if r["error"] is not None)
     term.emit(out, _show_warm_manifest)
-    return out["failed"] == 0
+    cold = not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None)
+    return out["failed"] == 0 and not cold
+
+
+def _in_tier_now(term: Terminal, e: Entry, cache_salt: str | None, tier: str, before: int) -> int:
+    """How many of an entry's chunks are in ``tier`` now: those a dry-run warm would find
+    there already (``before``, what its warm reported, if that cannot be asked)."""
+    try:
+        return int(term.call("warm", {**e.request(cache_salt), "to": tier, "dry_run": True})["skipped"])
+    except (RemoteError, CommandError):
+        return before
 
 
 def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, endpoint: str | None, pin: bool,
@@ -323,8 +357,9 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
                 prefill(term, sel, endpoint, dry_run)
         r = term.call("warm", {**sel, "to": tier, "dry_run": dry_run}, progress=progress)
         found = r["chunks"] + r["skipped"]
-        row.update(chunks=found + r["missing"], found=found if found_before is None else found_before,
+        row.update(chunks=found + r["missing"] + r["unchecked"], found=found if found_before is None else found_before,
                    moved=r["chunks"], fetched=r["fetched"], already=r["skipped"], missing=r["missing"],
+                   unchecked=r["unchecked"], in_tier=r["in_tier"] or 0,
                    prefilled=0 if found_before is None else max(0, found - found_before), bytes=r["bytes"])
         if pin:
             row["pinned"] = term.call("pin", {**sel, "label": e.label, "dry_run": dry_run})["added"]
@@ -338,7 +373,8 @@ def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
 
     rows = [[str(x["index"]), x["label"] or "-", x["document"], str(x["chunks"]), str(x["found"]), str(x["moved"]),
              str(x["fetched"]), str(x["prefilled"]), str(x["missing"]),
-             "failed" if x["error"] else "ok" if not x["missing"] else "partial"] for x in r["entries"]]
+             "failed" if x["error"] else "ok" if not x["missing"] + x["unchecked"] else "partial"]
+            for x in r["entries"]]
     term.table(None, ["entry", "label", "document", "chunks", "found", "moved", "from remote", "prefilled", "missing",
                       "status"], rows, {"chunks", "found", "moved", "from remote", "prefilled", "missing"})
 
@@ -348,7 +384,10 @@ def _show_warm_manifest(term: Terminal, r: dict[str, Any]) -> None:
     term.say(f"{'would warm' if r['dry_run'] else 'warmed'} {entries(len(r['entries']))} into {r['to']}: "
              f"{r['moved']} chunk(s) moved ({r['fetched']} from remote, {human(r['bytes'])}), "
              f"{r['already']} already there, {r['prefilled']} prefilled, {r['missing']} missing"
-             + (f"; {entries(r['failed'])} failed" if r["failed"] else ""))
+             + (f"; remote tier did not answer ({r['unchecked']} chunk(s) not checked)" if r["unchecked"] else "")
+             + (f"; {entries(r['failed'])} failed" if r["failed"] else "")
+             + f"; {r['in_tier']} chunk(s) of the manifest {'would be' if r['dry_run'] else 'are'} in {r['to']}"
+             + (" then" if r["dry_run"] else " now"))
     for x in r["entries"]:
         if x["error"]:
             print(f"lmctl: documents[{x['index']}]: {printable(x['error']['message'])}", file=term.err)

@@ -72,6 +72,15 @@ def _ns_json(store: Store, ns: Namespace, rec: Recorded | None = None) -> dict[s
 
 def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     explain = arg(args, "explain", bool, False)
+    given = filters_of(args)
+    if args.get("doc") is None and given:
+        # a filter picks chunks of many prompts (and of every namespace it admits): they make
+        # no prefix, so a hit ratio of them would mean nothing
+        flags = ", ".join("--" + ("unpinned" if f == "pinned" and args.get(f) is False else f.replace("_", "-"))
+                          for f in sorted(given))
+        raise UsageError(f"lookup answers for one prompt: give its document (--text, --file, --tokens or "
+                         f"--messages) with {flags}; to count the chunks it picks per model and adapter, "
+                         "run lmctl inspect with the same selectors")
     sel = select(store, {k: v for k, v in args.items() if k != "explain"})
     why: dict[str, Any] | None = None
     if explain and not sel.namespaces:
@@ -127,7 +136,24 @@ def op_pin(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     label = _label(args)
     sel = select(store, {k: v for k, v in args.items() if k != "label"})
     keys = list(dict.fromkeys(sel.keys))
-    stored = sum(1 for t in store.locate(keys) if t is not None)
+    where = store.locate(keys)
+    stored = sum(1 for t in where if t is not None)
+    if sel.namespaces and not keys:
+        # a document shorter than one chunk has no chunk key: a pin would protect nothing
+        n, size = len(sel.token_ids or []), sel.namespaces[0].kv_format.chunk_size
+        raise UsageError(f"the document is {n} token(s), less than one chunk of {size}: nothing of it can be "
+                         "pinned (partial chunks are never stored)")
+    # a pin by key names a chunk that is stored (a whole key passes the selector as it is:
+    # a typo would be a pin that never protects anything); a document may be pinned ahead
+    explicit = {resolve_key(store, str(k)) for k in arg(args, "keys", list, [])}
+    absent = [k for k, t in zip(keys, where, strict=True) if t is None and k in explicit]
+    if absent:
+        raise UsageError(f"chunk key {absent[0].hex()[32:48]}… (namespace {absent[0].hex()[:8]}…) is not stored"
+                         + (f" (nor {len(absent) - 1} other key(s) given)" if len(absent) > 1 else "")
+                         + ": a pin by --key needs a stored chunk (lmctl ls shows them); to pin chunks before "
+                         "they are served, pin their document (--text, --file, --tokens or --messages)")
+    if not keys:
+        raise UsageError("nothing to pin: no stored chunk matches the selection")
     dry_run = arg(args, "dry_run", bool, False)
     expected = sel.namespaces[0].kv_format.chunk_bytes if sel.namespaces else 0
     # a dry run checks the pin budget as the real pin does, then changes nothing
@@ -254,11 +280,87 @@ def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any)
             "bytes_after": res.bytes_after, "skipped": res.skipped, "missing": res.missing, "dry_run": dry_run}
 
 
+@dataclasses.dataclass
+class Fit:
+    """What of a selection a local tier can keep: ``take`` (the keys to bring in, in the
+    selection's order), ``left`` (chunks ``--partial`` leaves where they are), ``room`` (the
+    tier's room for the selection, bytes) and ``need`` (the selection's bytes there)."""
+
+    take: list[bytes]
+    left: int
+    room: int
+    need: int
+
+
+def _fit(store: Store, keys: list[bytes], where: list[str | None], tier: str, partial: bool) -> Fit:
+    """Check a selection against a local tier's room before anything moves: the tier keeps
+    up to its low watermark of its capacity (eviction trims it down to that), less what its
+    pinned chunks outside the selection hold. The selection's bytes are its chunks' bytes on
+    disk, those already in the tier included (chunks only the remote tier holds have sizes
+    known once fetched: they are not counted). Over the room, the move is refused with one
+    line (it would evict part of what it brings in, or pinned chunks brought in before);
+    with ``partial`` the chunks that fit are taken in order and the rest left."""
+    from .terminal import human
+
+    cap = store.config.tiers[tier].capacity
+    room = int(cap * store.config.low_watermark)
+    sizes: list[int] = []
+    pinned_in = 0
+    for k, t in zip(keys, where, strict=True):
+        info = store.info(k) if t not in (None, "remote") else None
+        sizes.append(0 if info is None else info.disk_bytes)
+        if info is not None and info.tier == tier and info.pin_refs > 0:
+            pinned_in += info.disk_bytes
+    pinned_other = max(0, store.stats().tiers[tier].pinned_bytes - pinned_in)
+    room = max(0, room - pinned_other)
+    need = sum(sizes)
+    if need <= room:
+        return Fit(keys, 0, room, need)
+    if not partial:
+        held = f", less {human(pinned_other)} of pinned chunks outside the selection" if pinned_other else ""
+        raise StoreError(
+            f"the selection ({human(need)} in {len(keys)} chunk(s)) exceeds {tier}'s room ({human(room)}: "
+            f"{int(store.config.low_watermark * 100)}% of its {human(cap)} capacity{held}); bringing it in would "
+            f"evict part of it again: select less, give {tier} more capacity (lmctl config set "
+            f"tiers.{tier}.capacity=SIZE), or add --partial to bring in what fits, in order")
+    take: list[bytes] = []
+    used = 0
+    for k, n in zip(keys, sizes, strict=True):  # a prefix: a document's first chunks are what hits
+        if used + n > room:
+            break
+        used += n
+        take.append(k)
+    left = sum(1 for t in where[len(take):] if t is not None)
+    return Fit(take, left, room, need)
+
+
+def _in_tier(store: Store, keys: list[bytes], where: list[str | None], tier: str, dry_run: bool, fit: Fit) -> int:
+    """How many chunks of the selection are in ``tier`` at the end (a dry run: how many would
+    be, those it brings in and those there already)."""
+    if dry_run:
+        return sum(1 for t in where[:len(fit.take)] if t is not None)
+    return sum(1 for t in store.locate(keys, remote=False) if t == tier)
+
+
 def op_move(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     tier = configured_tier(store, arg(args, "to", str, ""), "--to")
-    out = _rewrite(store, args, job, f"moving to {tier}", tier=tier)
-    out["to"] = tier
-    return out
+    partial = arg(args, "partial", bool, False)
+    if tier == "remote":
+        if partial:
+            raise UsageError("--partial goes with a local tier (--to dram or nvme): the remote tier's room is the "
+                             "server's")
+        out = _rewrite(store, args, job, f"moving to {tier}", tier=tier)
+        out.update(to=tier, left=0, room=None, in_tier=None)  # the server's room is not known here
+        return out
+    keys = list(dict.fromkeys(select(store, args).keys))
+    dry_run = arg(args, "dry_run", bool, False)
+    where = store.locate(keys, remote=False)
+    fit = _fit(store, keys, where, tier, partial)
+    res = store.rewrite(fit.take, tier=tier, progress=lambda d, t: job.progress(d, t, f"moving to {tier}"),
+                        dry_run=dry_run)
+    return {"chunks": res.chunks, "bytes": res.bytes_before, "bytes_before": res.bytes_before,
+            "bytes_after": res.bytes_after, "skipped": res.skipped, "missing": res.missing, "dry_run": dry_run,
+            "to": tier, "left": fit.left, "room": fit.room, "in_tier": _in_tier(store, keys, where, tier, dry_run, fit)}
 
 
 def op_compress(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -290,39 +392,49 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     configured_tier(store, to, "--to")
     dry_run = arg(args, "dry_run", bool, False)
     keys = list(dict.fromkeys(select(store, args).keys))
-    where = store.locate(keys)  # one round trip to the remote tier, for what the local tiers lack
-    local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote")]
-    remote = [k for k, t in zip(keys, where, strict=True) if t == "remote"]
+    # one round trip to the remote tier, for what the local tiers lack; what it did not answer
+    # for is "unchecked", not "in no tier"
+    where, unchecked = store.locate_checked(keys)
+    fit = _fit(store, keys, where, to, arg(args, "partial", bool, False))
+    taken = set(fit.take)
+    local = [k for k, t in zip(keys, where, strict=True) if t not in (None, "remote") and k in taken]
+    remote = [k for k, t in zip(keys, where, strict=True) if t == "remote" and k in taken]
     total = len(local) + len(remote)
     res = store.rewrite(local, tier=to, progress=lambda d, t: job.progress(d, total, f"warming into {to}"),
                         dry_run=dry_run)
-    got = _fetch(store, remote, to, dry_run, lambda d: job.progress(len(local) + d, total, "fetching from remote"))
+    got, lost = _fetch(store, remote, to, dry_run,
+                       lambda d: job.progress(len(local) + d, total, "fetching from remote"))
     return {"chunks": res.chunks + got.chunks, "bytes": res.bytes_before + got.bytes_before,
             "bytes_before": res.bytes_before + got.bytes_before, "bytes_after": res.bytes_after + got.bytes_after,
-            "skipped": res.skipped + got.skipped, "missing": res.missing + where.count(None) + got.missing,
-            "dry_run": dry_run, "to": to, "fetched": got.chunks}
+            "skipped": res.skipped + got.skipped,
+            "missing": res.missing + where.count(None) - unchecked + got.missing, "unchecked": unchecked + lost,
+            "dry_run": dry_run, "to": to, "fetched": got.chunks, "left": fit.left, "room": fit.room,
+            "in_tier": _in_tier(store, keys, where, to, dry_run, fit)}
 
 
-def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Callable[[int], None]) -> RewriteResult:
+def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool,
+           progress: Callable[[int], None]) -> tuple[RewriteResult, int]:
     """Bring chunks only the remote tier holds into the local tier ``to`` (``chunks``: those
     brought, with their stored bytes here; ``skipped``: read but left in another local tier,
     as ``Store.rewrite`` counts a chunk it could not place; ``missing``: gone from the server
-    since they were located). A dry run reads nothing and counts every one as brought. A
-    store read fetches and verifies a chunk and (with ``remote.promote``) stores it in the
-    default tier, from where it is moved; without promotion it is stored here."""
+    since they were located), and how many could not be read because the server stopped
+    answering meanwhile (unchecked, not missing). A dry run reads nothing and counts every
+    one as brought. A store read fetches and verifies a chunk and (with ``remote.promote``)
+    stores it in the default tier, from where it is moved; without promotion it is stored here."""
     out = RewriteResult()
     if dry_run:
         out.chunks = len(keys)
-        return out
+        return out, 0
     elsewhere: list[bytes] = []
+    lost: list[bytes] = []
     for n, key in enumerate(keys):
         progress(n)
         chunk = store.get(key)
         if chunk is not None and store.info(key) is None:
             store.put_many([PutItem(key, chunk.data, chunk.layout, chunk.tokens)], tier=to)
         info = store.info(key)
-        if info is None:  # gone from the server, or no room here: a miss
-            out.missing += 1
+        if info is None:  # gone from the server, the server stopped answering, or no room here
+            lost.append(key)
         elif info.tier != to:
             elsewhere.append(key)
         else:
@@ -336,8 +448,10 @@ def _fetch(store: Store, keys: list[bytes], to: str, dry_run: bool, progress: Ca
         out.bytes_after += r.bytes_after
         out.skipped += r.skipped
         out.missing += r.missing
+    unchecked = store.locate_checked(lost)[1] if lost else 0  # asked again: "not there", or no answer
+    out.missing += len(lost) - unchecked
     progress(len(keys))
-    return out
+    return out, unchecked
 
 
 #: entries of an export are streamed in frames of about this size (a frame holds at most 8 MiB)

@@ -431,6 +431,12 @@ def scope_of(store: Store, args: dict[str, Any], only: list[bytes] | None = None
         raise UsageError("argument 'pinned' must be true, false or absent")
     if older is not None and older < 0:
         raise UsageError("--older-than must not be negative")
+    if tier == "remote":
+        # the local index holds local chunks only: what move --to remote put there left it
+        raise UsageError("--tier remote selects nothing: this store's index lists only the chunks of its local "
+                         "tiers (dram, nvme), not what the remote tier holds; find remote chunks by document "
+                         "(--text, --file, --tokens, --messages), by whole key (--key, 96 digits) or with "
+                         "warm --manifest")
     if tier is not None:
         configured_tier(store, tier, "--tier")
     if label is not None and label not in store.counts().label_keys:

@@ -66,7 +66,8 @@ SELECTORS: list[inspect.Parameter] = [
             help="chunks pinned under this label (pin/unpin: the pin's label)",
             autocompletion=_complete_names("labels"), rich_help_panel="Selectors")]),
         ("tier", None, Annotated[str | None, typer.Option(
-            help="dram, nvme or remote", autocompletion=complete_values("--tier"), rich_help_panel="Selectors")]),
+            help="dram or nvme (chunks in the remote tier are found by document or whole key)",
+            autocompletion=complete_values("--tier"), rich_help_panel="Selectors")]),
         ("older_than", None, Annotated[str | None, typer.Option(
             help="not used for this long: 90s, 30m, 12h, 7d, 1h30m (a unit is required)",
             rich_help_panel="Selectors")]),
@@ -82,7 +83,8 @@ SELECTORS: list[inspect.Parameter] = [
             help="a JSON file of chat messages, rendered with the model's chat template",
             rich_help_panel="Documents")]),
         ("tokenizer", None, Annotated[str | None, typer.Option(
-            help="tokenizer folder or id [default: the one the engine recorded]", rich_help_panel="Documents")]),
+            help="tokenizer folder, or a model id in the daemon's local cache [default: the one the engine recorded]",
+            rich_help_panel="Documents")]),
         ("salt", None, Annotated[str | None, typer.Option(
             "--cache-salt", help=f"the requests' cache_salt (a secret: prefer --cache-salt-file or ${SALT_ENV})",
             rich_help_panel="Documents")]),
@@ -127,6 +129,21 @@ def adapter_spec(a: str) -> str:
     """``--adapter``: a name stays a name (even if a folder of that name is here); only a
     path (it has a slash) is a folder, sent to the daemon as an absolute path."""
     return os.path.abspath(os.path.expanduser(a)) if _names_folder(a) else a
+
+
+def tokenizer_spec(t: str) -> str:
+    """``--tokenizer``: a folder (a path that starts with ``/``, ``./``, ``../`` or ``~``, or
+    a folder that is here) is sent to the daemon as an absolute path, as ``--adapter``'s
+    folder is, so it means what it means in the caller's folder; anything else is a model id
+    (``org/name``) that the daemon looks up in its local Hugging Face cache only."""
+    path = os.path.expanduser(t)
+    looks_local = t in (".", "..") or t.startswith(("/", "./", "../", "~"))
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if looks_local:
+        raise CommandError("usage", f"--tokenizer {t}: no such tokenizer folder (give the folder that holds "
+                                    "tokenizer.json, a model id in the daemon's local cache, or --tokens FILE)")
+    return t
 
 
 def _folder_digest(path: str) -> str:
@@ -201,9 +218,11 @@ def build_selector(v: dict[str, Any]) -> dict[str, Any]:
         raise CommandError("usage", f"give one --label, not {len(labels)} ({', '.join(labels)})")
     if labels:
         out["label"] = labels[0]
-    for k in ("model", "tier", "tokenizer"):
+    for k in ("model", "tier"):
         if v.get(k) is not None:
             out[k] = v[k]
+    if v.get("tokenizer") is not None:
+        out["tokenizer"] = tokenizer_spec(v["tokenizer"])
     if v.get("base") and v.get("adapter") is not None:
         raise CommandError("usage", "--base and --adapter contradict each other: give one")
     if v.get("adapter") is not None:

@@ -575,6 +575,12 @@ class RemoteTier:
         one pipelined round trip bounded by ``lookup_timeout_s``. A failure (or an open
         breaker) answers False for all. A head does not promise its pieces, nor that it
         verifies: ``get_into`` finds out."""
+        found = self.contains_many_checked(keys)
+        return [False] * len(keys) if found is None else found
+
+    def contains_many_checked(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """``contains_many``, or None when the server did not answer (a failure, a timeout or
+        an open breaker): a caller that must tell "not there" from "not asked" uses this."""
         heads = [self.head_key(k, ring) for k in keys for ring in self.keyring]
         if not heads:
             return []
@@ -589,7 +595,7 @@ class RemoteTier:
 
         self._count(lookups=len(keys))
         ok, found = self._call("lookup", True, look)
-        return list(found) if ok else [False] * len(keys)
+        return list(found) if ok else None
 
     def get(self, key: bytes, *, max_stored: int, raw_len: int | None = None,
             max_raw: int | None = None) -> tuple[RemoteMeta, bytearray] | None:

@@ -79,15 +79,23 @@ class Sharing:
     # -- lookups ---------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], tiers: list[str | None]) -> list[str | None]:
         """``tiers`` (the local answer) with ``remote`` where only the remote tier holds a key."""
+        return self.locate_checked(keys, tiers)[0]
+
+    def locate_checked(self, keys: Sequence[bytes], tiers: list[str | None]) -> tuple[list[str | None], int]:
+        """``locate``, and how many keys the remote tier was asked about and did not answer
+        for (they stay None: not known to be anywhere)."""
         missing = [i for i, t in enumerate(tiers) if t is None]
         if not missing:
-            return tiers
-        found = self.tier.contains_many([keys[i] for i in missing])
+            return tiers, 0
+        answer = self.tier.contains_many_checked([keys[i] for i in missing])
+        if answer is None:
+            return tiers, len(missing)
+        found = answer
         out = list(tiers)
         for i, there in zip(missing, found, strict=True):
             if there:
                 out[i] = "remote"
-        return out
+        return out, 0
 
     # -- reads -----------------------------------------------------------------------------
     def fetch_into(self, key: bytes, out: memoryview | None, *, expect: int | None = None,

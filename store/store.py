@@ -784,6 +784,16 @@ class Store:
             tiers = sharing.locate(keys, tiers)
         return tiers
 
+    def locate_checked(self, keys: Sequence[bytes]) -> tuple[list[str | None], int]:
+        """``locate``, and how many of the keys the local tiers lack the remote tier did not
+        answer for (down, slow, its breaker open): None for those means "not known", not
+        "stored nowhere". 0 without a remote tier."""
+        tiers = self._reads.locate(keys)
+        sharing = self._sharing
+        if sharing is None:
+            return tiers, 0
+        return sharing.locate_checked(keys, tiers)
+
     def lookup(self, ns: Namespace, tokens: Sequence[int], remote: bool = True) -> LookupResult:
         """Longest stored prefix of ``tokens`` in namespace ``ns``: the local index, then (with
         a remote tier) the remote tier for the chunks after the local prefix."""

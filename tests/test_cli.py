@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import threading
@@ -15,14 +16,14 @@ from typing import Any
 
 import pytest
 import typer
-from conftest import env_with_path, flip_byte
+from conftest import content, env_with_path, flip_byte
 from test_daemon import FMT, LAYOUT, NS, OTHER, TOKENS, Daemon, fill, library, tokens_file
 from typer.testing import CliRunner, Result
 
 from lmctl.cli import app
 from lmctl.client import Client, RemoteError, Unreachable
 from lmctl.terminal import CommandError, ExitStatus, Terminal, classify
-from store import AdapterIdentity, Namespace, Store, adapter_digest
+from store import AdapterIdentity, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig, adapter_digest
 
 
 def lmctl(d: Daemon | None, *args: str, term: Terminal | None = None) -> Result:
@@ -268,3 +269,177 @@ def test_the_terminal_decides_colour_not_the_process(daemon: Daemon, tmp_path: P
     assert plain.exit_code == coloured.exit_code == 0
     assert "32 of 70 tokens cached" in plain.stdout and plain.stdout.count("│ miss │") == 2
     assert "\x1b[" not in plain.stdout and "\x1b[31mmiss" in coloured.stdout
+
+
+# -- pins that would protect nothing ----------------------------------------------------------
+def test_pinning_a_document_shorter_than_a_chunk_is_refused_and_leaves_no_record(daemon: Daemon,
+                                                                                 tmp_path: Path) -> None:
+    short = tokens_file(tmp_path, TOKENS[:10])  # 10 tokens: no full chunk of 16, no chunk key
+    r = lmctl(daemon, "pin", "--label", "x", "--tokens", short)
+    assert r.exit_code == ExitStatus.USAGE and r.stdout == ""
+    assert r.stderr == ("lmctl: the document is 10 token(s), less than one chunk of 16: nothing of it can be "
+                        "pinned (partial chunks are never stored)\n")
+    e = error(lmctl(daemon, "--json", "pin", "--label", "x", "--tokens", short, "--dry-run"))
+    assert e["code"] == "usage" and "less than one chunk" in e["message"]
+    assert not (daemon.store / "pinned-documents").exists() or os.listdir(daemon.store / "pinned-documents") == []
+    with library(daemon) as s:
+        assert s.labels() == {}
+    # a filter that matches no chunk pins nothing either, and says so
+    key = NS.chunk_keys(TOKENS)[0].hex()
+    r = lmctl(daemon, "pin", "--label", "x", "--key", key, "--older-than", "30d")
+    assert r.exit_code == ExitStatus.USAGE and "nothing to pin" in r.stderr
+    with library(daemon) as s:
+        assert s.labels() == {}
+
+
+def test_pinning_a_key_that_is_not_stored_is_refused_but_a_document_may_be_pinned_ahead(
+        daemon: Daemon, tmp_path: Path) -> None:
+    stored = NS.chunk_keys(TOKENS)[0].hex()
+    typo = stored[:-2] + ("00" if stored[-2:] != "00" else "11")  # a whole key, one byte off
+    r = lmctl(daemon, "pin", "--label", "ops", "--key", stored, "--key", typo)
+    assert r.exit_code == ExitStatus.USAGE and r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"lmctl: chunk key {typo[32:48]}… (namespace {typo[:8]}…) is not stored")
+    assert "pin their document" in r.stderr
+    assert error(lmctl(daemon, "--json", "pin", "--label", "ops", "--key", "ab" * 48, "--dry-run"))["exit"] == 2
+    with library(daemon) as s:
+        assert s.labels() == {}  # nothing pinned, not even the stored key given with the typo
+    # a stored key pins; a document never served pins ahead of time, as documented
+    assert ok(daemon, "pin", "--label", "ops", "--key", stored)["added"] == 1
+    ahead = ok(daemon, "pin", "--label", "ahead", "--tokens", tokens_file(tmp_path, list(range(900, 932))))
+    assert (ahead["chunks"], ahead["stored"], ahead["added"]) == (2, 0, 2)
+
+
+def test_lookup_with_filters_and_no_document_is_refused_not_chained(tmp_path: Path) -> None:
+    fill(tmp_path / "store")
+    other = Namespace("m", FMT, cache_salt="tenant")  # a second namespace of model m
+    with Store(tmp_path / "store") as s:
+        s.register_namespace(other, {"model_id": "m", "tokenizer": None})
+        for k in other.chunk_keys(OTHER):
+            assert s.put(k, bytes(FMT.chunk_bytes), LAYOUT, tokens=16)
+    d = Daemon(tmp_path / "store")
+    d.start()
+    try:
+        r = lmctl(d, "lookup", "--model", "m")  # six chunks of two prompts and two chunks of another namespace
+        assert r.exit_code == ExitStatus.USAGE and r.stdout == "" and r.stderr.count("\n") == 1
+        assert r.stderr.startswith("lmctl: lookup answers for one prompt: give its document (--text, --file, "
+                                   "--tokens or --messages) with --model")
+        assert "run lmctl inspect with the same selectors" in r.stderr
+        assert error(lmctl(d, "--json", "lookup", "--unpinned", "--tier", "nvme"))["exit"] == 2
+        # the counts per namespace are inspect's answer
+        assert ok(d, "inspect", "--model", "m")["chunks"] == 8
+        # a document with the filter, and keys alone, still answer
+        assert ok(d, "lookup", "--model", "m", "--tokens", tokens_file(tmp_path, TOKENS))["hit_chunks"] == 4
+        keys = NS.chunk_keys(TOKENS)
+        assert ok(d, "lookup", "--key", keys[0].hex(), "--key", keys[1].hex())["hit_chunks"] == 2
+    finally:
+        assert d.stop() == 0
+
+
+# -- tokenizers: the caller's folders, local files only -----------------------------------------
+def _tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer saved as a model's folder holds one (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", *(f"w{i}" for i in range(40))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(folder))
+
+
+def test_tokenizer_folder_is_the_callers_and_ids_are_looked_up_locally_only(
+        daemon: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    _tiny_tokenizer(work / "tok")
+    (work / "sub").mkdir()
+    monkeypatch.chdir(work / "sub")  # the daemon runs elsewhere: ../tok means the caller's folder
+    text = " ".join(f"w{i}" for i in range(36))  # 36 tokens: two full chunks of 16
+    got = ok(daemon, "lookup", "--text", text, "--tokenizer", "../tok")
+    assert (got["total_tokens"], len(got["chunks"])) == (36, 2)
+    # a folder that is not there: the CLI says so, the daemon is never asked
+    r = lmctl(daemon, "lookup", "--text", text, "--tokenizer", "./nope")
+    assert r.exit_code == ExitStatus.USAGE and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("lmctl: --tokenizer ./nope: no such tokenizer folder")
+    # an id no local cache holds: one line at once, no wait on a hub that cannot answer
+    t0 = time.monotonic()
+    r = lmctl(daemon, "lookup", "--text", text, "--tokenizer", "no-such-org/no-such-tokenizer")
+    assert r.exit_code == ExitStatus.USAGE and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("lmctl: no tokenizer 'no-such-org/no-such-tokenizer' on this machine")
+    assert "downloads nothing" in r.stderr and time.monotonic() - t0 < 10
+
+
+# -- warm and move into a tier smaller than the selection ------------------------------------------
+BIG = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=256, chunk_size=256)  # 1 MiB a chunk
+BIG_NS = Namespace("big", BIG)
+
+
+def _small_dram(path: Path, chunks: int) -> list[bytes]:
+    """A store whose dram tier (16 MiB: 14.4 MiB of room) is smaller than ``chunks`` MiB of chunks on nvme."""
+    tiers = {"nvme": TierConfig(capacity=256 * MiB), "dram": TierConfig(capacity=16 * MiB, path=str(path / "dram"))}
+    layout = {"dtype": "bfloat16", "shape": list(BIG.chunk_shape)}
+    with Store(path, StoreConfig(tiers=tiers, default_tier="nvme", segment_bytes=4 * MiB, codec="raw")) as s:
+        s.register_namespace(BIG_NS, {"model_id": "big", "tokenizer": None})
+        keys = BIG_NS.chunk_keys(list(range(256 * chunks)))
+        for k in keys:
+            assert s.put(k, content(k, BIG.chunk_bytes), layout, tokens=256)
+    return keys
+
+
+def test_warm_and_move_into_a_tier_too_small_are_refused_or_partial_and_say_what_stayed(tmp_path: Path) -> None:
+    keys = _small_dram(tmp_path / "s", 20)
+    d = Daemon(tmp_path / "s")
+    d.start()
+    try:
+        for argv in (["move", "--to", "dram", "--model", "big"], ["warm", "--model", "big"],
+                     ["warm", "--model", "big", "--dry-run"]):
+            r = lmctl(d, *argv)
+            assert r.exit_code == ExitStatus.ERROR and r.stdout == "" and r.stderr.count("\n") == 1, argv
+            assert re.match(r"lmctl: the selection \(20\.\d MiB in 20 chunk\(s\)\) exceeds dram's room \(14\.4 MiB: "
+                            r"90% of its 16\.0 MiB capacity\); bringing it in would evict part of it again: .*"
+                            r"add --partial to bring in what fits, in order\n", r.stderr), r.stderr
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["nvme"] * 20  # nothing moved
+
+        # --partial brings in a prefix that fits (a filter selects in key order), and every chunk it
+        # reports is there at the end
+        keys = sorted(keys)
+        r = ok(d, "move", "--to", "dram", "--model", "big", "--partial")
+        n = r["chunks"]
+        assert 10 <= n < 15 and (r["left"], r["in_tier"], r["room"]) == (20 - n, n, int(16 * MiB * 0.9))
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["dram"] * n + ["nvme"] * (20 - n)
+        # pinned chunks in dram outside the selection take room: a warm of the rest is refused
+        ok(d, "pin", "--label", "hot", *[a for k in keys[:4] for a in ("--key", k.hex())])
+        e = error(lmctl(d, "--json", "warm", *[a for k in keys[4:] for a in ("--key", k.hex())]))
+        assert e["exit"] == 1 and "exceeds dram's room (10.4 MiB" in e["message"]
+        assert "less 4.0 MiB of pinned chunks outside the selection" in e["message"]
+        text = lmctl(d, "warm", "--label", "hot")  # already there: fits, and says what is in dram
+        assert text.exit_code == 0 and text.stdout.endswith("; 4 already there; 4 chunk(s) of the selection "
+                                                            "are in dram now\n"), text.stdout
+        with library(d) as s:
+            assert s.locate(keys, remote=False) == ["dram"] * n + ["nvme"] * (20 - n)  # the pins stayed in dram
+    finally:
+        assert d.stop() == 0
+
+
+def test_warm_manifest_reports_what_stayed_in_the_tier_when_entries_push_each_other_out(tmp_path: Path) -> None:
+    keys = sorted(_small_dram(tmp_path / "s", 20))
+    manifest = tmp_path / "m.json"  # two entries that fit dram's room one at a time, not together
+    manifest.write_text(json.dumps([{"label": "a", "keys": [k.hex() for k in keys[:10]]},
+                                    {"label": "b", "keys": [k.hex() for k in keys[10:]]}]))
+    d = Daemon(tmp_path / "s")
+    d.start()
+    try:
+        dry = ok(d, "warm", "--manifest", str(manifest), "--dry-run")
+        assert (dry["moved"], dry["in_tier"]) == (20, 20)  # each entry alone would fit
+        r = lmctl(d, "--json", "warm", "--manifest", str(manifest))
+        got = json.loads(r.stdout)
+        assert r.exit_code == 0 and got["moved"] == 20 and got["failed"] == 0
+        with library(d) as s:
+            there = s.locate(keys, remote=False).count("dram")
+        assert there < 20 and got["in_tier"] == there  # the second entry pushed part of the first out
+        assert sum(x["in_tier"] for x in got["entries"]) == there
+        text = lmctl(d, "warm", "--manifest", str(manifest), "--to", "nvme")
+        assert text.exit_code == 0 and text.stdout.endswith("; 20 chunk(s) of the manifest are in nvme now\n")
+    finally:
+        assert d.stop() == 0

@@ -508,7 +508,7 @@ def test_warm_says_where_chunks_went_and_what_it_does_not_know(tmp_path: Path) -
     out = io.StringIO()
     _show_warm(Terminal(stdout=out, is_tty=False, color=False),
                {"chunks": 12, "bytes": 0, "bytes_before": 0, "bytes_after": 0, "skipped": 0, "missing": 0,
-                "fetched": 12, "dry_run": True, "to": "dram"})
+                "unchecked": 0, "fetched": 12, "dry_run": True, "to": "dram"})
     assert out.getvalue() == "would bring 12 chunk(s) into dram: all from the remote tier (sizes known once fetched)\n"
 
 
@@ -591,7 +591,8 @@ def test_warm_manifest_takes_the_salt_from_the_environment(daemon: Daemon, tmp_p
     assert ok(daemon, "pin", "--export-manifest", manifest, "--label", "tenant")["needs_cache_salt"] == 1
     ok(daemon, "unpin", "--label", "tenant")
     env = {"LMCTL_CACHE_SALT": "s3"}
-    r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", manifest, "--pin"],
+    r = CliRunner().invoke(app, ["--socket", str(daemon.sock), "--json", "warm", "--manifest", manifest, "--pin",
+                                 "--allow-missing"],
                            obj=Terminal(is_tty=False, color=False), env=env)
     assert r.exit_code == 0, r.stdout
     with library(daemon) as s:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -201,7 +203,9 @@ def test_warm_reports_each_entry_and_runs_the_others_when_one_fails(tmp_path: Pa
         assert r.exit_code == 1
         assert "warmed 5 entries into nvme: 5 chunk(s) moved (0 from remote" in r.stdout
         assert "; 2 entries failed" in r.stdout and "partial" in r.stdout
-        assert r.stderr.count("\n") == 2 and r.stderr.startswith("lmctl: documents[2]: no model 'nope'")
+        assert r.stderr.count("\n") == 3 and r.stderr.startswith("lmctl: documents[2]: no model 'nope'")
+        assert r.stderr.endswith("lmctl: 3 selected chunk(s) were not warmed (3 in no tier); exit 1 (--allow-missing "
+                                 "accepts that)\n")  # entries 1 and 4 left chunks cold
         with library(d) as s:
             assert s.locate(keys) == ["nvme"] * 6
 
@@ -257,6 +261,7 @@ def shared(tmp_path: Path, servers: Callable[..., Server]) -> Callable[..., Path
             s.register_namespace(NS, {"model_id": "m", "tokenizer": None})  # an engine started here
         return tmp_path / name
 
+    host.redis = redis  # type: ignore[attr-defined]
     return host
 
 
@@ -276,7 +281,7 @@ def test_export_on_one_host_warm_on_another_from_the_remote_tier(tmp_path: Path,
         manifest = str(tmp_path / "from-a.json")
         assert ok(a, "pin", "--export-manifest", manifest)["entries"] == 3
 
-        got = ok(b, "warm", "--manifest", manifest, "--cache-salt", "s3", "--pin")
+        got = ok(b, "warm", "--manifest", manifest, "--cache-salt", "s3", "--pin", "--allow-missing")
         rows = got["entries"]
         assert [(x["label"], x["document"], x["chunks"], x["found"], x["moved"], x["fetched"], x["missing"])
                 for x in rows] == [("contracts", "tokens", 4, 4, 4, 4, 0), ("contracts", "keys", 1, 1, 1, 1, 0),
@@ -297,7 +302,7 @@ def test_export_on_one_host_warm_on_another_from_the_remote_tier(tmp_path: Path,
         ok(b, "pin", "--export-manifest", again)
         assert json.loads(Path(again).read_text()) == json.loads(Path(manifest).read_text())
         # warming again moves nothing
-        assert ok(b, "warm", "--manifest", manifest, "--cache-salt", "s3")["already"] == 5
+        assert ok(b, "warm", "--manifest", manifest, "--cache-salt", "s3", "--allow-missing")["already"] == 5
         # status names the remote tier and what this daemon's calls to it did
         st = ok(b, "status")["store"]["remote"]
         assert (st["key_prefix"], st["hits"], st["errors"], st["breaker"]) == ("test", 5, 0, "closed")
@@ -307,3 +312,112 @@ def test_export_on_one_host_warm_on_another_from_the_remote_tier(tmp_path: Path,
     finally:
         assert a.stop() == 0
         assert b.stop() == 0
+
+
+# -- the remote tier as a selector ---------------------------------------------------------------
+def test_tier_remote_as_a_selector_is_refused_saying_how_remote_chunks_are_found(
+        tmp_path: Path, shared: Callable[..., Path]) -> None:
+    a_dir = shared("a")
+    doc = NS.chunk_keys(TOKENS)
+    with Store(a_dir) as s:
+        assert all(s.put_many([PutItem(k, content(k, FMT.chunk_bytes), LAYOUT, 16) for k in doc]))
+    a = Daemon(a_dir)
+    a.start()
+    try:
+        assert ok(a, "move", "--to", "remote", "--model", "m")["chunks"] == 4
+        for argv in (["ls", "--tier", "remote"], ["inspect", "--tier", "remote"],
+                     ["warm", "--tier", "remote", "--to", "nvme", "--dry-run"], ["evict", "--tier", "remote"]):
+            r = lmctl(a, *argv)
+            assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, argv
+            assert r.stderr.startswith("lmctl: --tier remote selects nothing: this store's index lists only the "
+                                       "chunks of its local tiers"), argv
+            assert "by document" in r.stderr and "whole key" in r.stderr
+        # what the message offers finds them
+        got = ok(a, "warm", "--tokens", tokens_file(tmp_path, TOKENS), "--to", "nvme", "--dry-run")
+        assert (got["chunks"], got["fetched"]) == (4, 4)
+        assert ok(a, "lookup", "--key", doc[0].hex())["tiers"] == {"remote": 1}
+    finally:
+        assert a.stop() == 0
+
+
+# -- warm that warmed nothing ----------------------------------------------------------------------
+def test_warm_that_leaves_chunks_cold_exits_1_and_an_unanswering_remote_is_not_in_no_tier(
+        tmp_path: Path, shared: Callable[..., Path]) -> None:
+    a_dir, b_dir = shared("a"), shared("b", dram=True)
+    redis: Server = shared.redis  # type: ignore[attr-defined]
+    doc = NS.chunk_keys(TOKENS)
+    with Store(a_dir) as s:  # host a's engine served the document (written through to the server)
+        assert all(s.put_many([PutItem(k, content(k, FMT.chunk_bytes), LAYOUT, 16) for k in doc]))
+    b = Daemon(b_dir)
+    b.start()
+    paused = False
+    try:
+        # a manifest warmed with the wrong cache salt: every chunk missing, and that is a failure
+        manifest = write(tmp_path, [{"label": "t", "model": "m", "tokens": TOKENS, "needs_cache_salt": True}])
+        r = lmctl(b, "warm", "--manifest", manifest, "--to", "nvme", "--cache-salt", "wrong")
+        assert r.exit_code == 1 and "4 missing" in r.stdout and "partial" in r.stdout
+        assert r.stderr == ("lmctl: 4 selected chunk(s) were not warmed (4 in no tier); exit 1 (--allow-missing "
+                            "accepts that)\n")
+        got = ok(b, "warm", "--manifest", manifest, "--to", "nvme", "--cache-salt", "wrong", "--allow-missing")
+        assert (got["missing"], got["unchecked"], got["failed"]) == (4, 0, 0)
+
+        # the server stops answering (paused, as a hung server is): its chunks are not "in no tier"
+        redis.signal(signal.SIGSTOP)
+        paused = True
+        doc_file = tokens_file(tmp_path, TOKENS)
+        r = lmctl(b, "warm", "--tokens", doc_file, "--to", "nvme")
+        assert r.exit_code == 1
+        assert r.stdout == ("brought 0 chunk(s) into nvme: 0 B; remote tier did not answer (4 chunk(s) not "
+                            "checked); 0 chunk(s) of the selection are in nvme now\n")
+        assert r.stderr == ("lmctl: 4 selected chunk(s) were not warmed (4 not checked (the remote tier did not "
+                            "answer)); exit 1 (--allow-missing accepts that)\n")
+        j = lmctl(b, "--json", "warm", "--tokens", doc_file, "--to", "nvme", "--dry-run")
+        got = json.loads(j.stdout)
+        assert j.exit_code == 1 and j.stderr == "" and (got["missing"], got["unchecked"]) == (0, 4)
+        got = ok(b, "warm", "--tokens", doc_file, "--to", "nvme", "--allow-missing")
+        assert (got["chunks"], got["missing"], got["unchecked"]) == (0, 0, 4)
+        r = lmctl(b, "warm", "--manifest", manifest, "--to", "nvme", "--cache-salt", "wrong")
+        assert r.exit_code == 1 and "remote tier did not answer (4 chunk(s) not checked)" in r.stdout
+        redis.signal(signal.SIGCONT)
+        paused = False
+
+        # when the server answers again, the same warm brings every chunk and exits 0
+        deadline = time.monotonic() + 15  # the breaker lets a probe through after its backoff
+        while True:
+            r = lmctl(b, "--json", "warm", "--tokens", doc_file, "--to", "nvme")
+            if r.exit_code == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        got = json.loads(r.stdout)
+        assert r.exit_code == 0 and (got["chunks"], got["fetched"], got["missing"], got["unchecked"]) == (4, 4, 0, 0)
+    finally:
+        if paused:
+            redis.signal(signal.SIGCONT)
+        assert b.stop() == 0
+
+
+def test_a_server_that_stops_answering_during_warm_leaves_chunks_unchecked_not_missing(
+        tmp_path: Path, shared: Callable[..., Path]) -> None:
+    from lmctl.ops import Job, op_warm
+
+    a_dir, b_dir = shared("a"), shared("b")
+    redis: Server = shared.redis  # type: ignore[attr-defined]
+    doc = NS.chunk_keys(TOKENS)
+    with Store(a_dir) as s:
+        assert all(s.put_many([PutItem(k, content(k, FMT.chunk_bytes), LAYOUT, 16) for k in doc]))
+    with Store(b_dir) as b:
+        real_get = b.get
+        reads = []
+
+        def get(key: bytes, *a: Any, **kw: Any) -> Any:  # the server hangs after the first chunk
+            reads.append(key)
+            if len(reads) == 2:
+                redis.signal(signal.SIGSTOP)
+            return real_get(key, *a, **kw)
+
+        b.get = get  # type: ignore[method-assign]
+        try:
+            got = op_warm(b, {"keys": [k.hex() for k in doc], "to": "nvme"}, Job())
+        finally:
+            redis.signal(signal.SIGCONT)
+        assert (got["chunks"], got["fetched"], got["missing"], got["unchecked"]) == (1, 1, 0, 3)

@@ -412,7 +412,8 @@ def test_ls_of_every_chunk_streams_past_the_frame_limit(tmp_path: Path) -> None:
 def test_warm_endpoint_with_v1_posts_once_to_the_api(daemon: Daemon, tmp_path: Path) -> None:
     with fake_engine() as (url, requests):
         doc = tokens_file(tmp_path, OTHER + [7] * 40)  # the last 40 tokens are missing
-        r = cj(daemon, "warm", "--endpoint", url + "/v1", "--tokens", doc)
+        # the fake engine stores nothing: the missing chunks stay missing (exit 1 without --allow-missing)
+        r = cj(daemon, "warm", "--endpoint", url + "/v1", "--tokens", doc, "--allow-missing")
         assert [path for path, _body in requests] == ["/v1/completions"]
         assert r["prefill"]["endpoint"] == url and r["to"] == "dram" and r["chunks"] == 2
 
@@ -500,7 +501,8 @@ def test_warm_checks_the_document_before_posting_and_names_the_one_model(daemon:
         empty.write_text("[]")
         r = cli(daemon, "warm", "--endpoint", url, "--messages", str(empty))
         assert r.returncode == 2 and requests == []  # refused before anything reached the engine
-        r = cli(daemon, "warm", "--endpoint", url, "--tokens", tokens_file(tmp_path, OTHER + [5] * 20))
+        r = cli(daemon, "warm", "--endpoint", url, "--tokens", tokens_file(tmp_path, OTHER + [5] * 20),
+                "--allow-missing")  # the fake engine stores nothing
         assert r.returncode == 0, r.stderr
         assert len(requests) == 1 and requests[0][1]["model"] == "m"  # the store's one model
 
