@@ -19,6 +19,7 @@ import logging
 import os
 import pwd
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -406,6 +407,10 @@ class Daemon:
         self._ids = itertools.count(1)
         self._lockfd: int | None = None
         self._store_lockfd: int | None = None
+        #: what this start's --init made (the folder, or the names put into an empty one), undone
+        #: if the store never opens (a hostile tier folder, say): a refused --init leaves nothing
+        self._init_made: tuple[bool, frozenset[str]] | None = None
+        self._store_opened = False
         self._conns: dict[socket.socket, Job | None] = {}
         self._conns_lock = threading.Lock()
         self._denied: dict[int, tuple[float, int]] = {}  # uid: (last logged, refused since)
@@ -514,11 +519,36 @@ class Daemon:
                 raise NoStore(f"no lmctl store at {d}; check the path, or pass --init to create a new store there")
             if os.path.isdir(d):
                 _check_init_folder(d)
+                self._init_made = (False, frozenset(os.listdir(d)))
                 return
             try:
                 make_private_dir(d, "store folder")
             except OSError as exc:
                 raise StoreError(f"cannot create the store folder {d}: {exc.strerror}") from None
+            self._init_made = (True, frozenset())
+
+    def _undo_init(self) -> None:
+        """A start with --init that never opened its store: remove what it made (the folder it
+        created, or the store's own names it put into an empty folder), so that a refused
+        --init leaves nothing behind. Only names a store makes are removed."""
+        if self._init_made is None or self._store_opened:
+            return
+        d = self.store_dir
+        made_dir, before = self._init_made
+        try:
+            if made_dir:
+                shutil.rmtree(d)
+                return
+            for name in os.listdir(d):
+                if name in before or not (name in STORE_NAMES or name.endswith((".sock", ".sock.lock"))):
+                    continue
+                path = os.path.join(d, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+        except OSError as exc:
+            log.warning("could not remove what the refused --init made in %s: %s", d, exc)
 
     def _open_store(self) -> Store:
         d = self.store_dir
@@ -585,6 +615,7 @@ class Daemon:
             if self._store_lockfd is not None:
                 os.close(self._store_lockfd)
                 self._store_lockfd = None
+            self._undo_init()
 
     def _serve_locked(self) -> bool:
         self._check_access()  # now that the socket's folder exists
@@ -600,6 +631,7 @@ class Daemon:
             if exporter is not None:
                 exporter.close()
             raise
+        self._store_opened = True
         self.state = DaemonState(store, self.socket_path, maintenance=Maintenance(self.maintenance_s))
         try:
             listener = bind_socket(self.socket_path, self.socket_mode, self.socket_group)

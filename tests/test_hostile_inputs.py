@@ -155,6 +155,29 @@ def test_init_takes_no_folder_of_other_files_and_chmods_no_folder_it_did_not_mak
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_an_init_refused_for_a_tier_folder_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A tier folder inside a folder others can write is refused at the store's first open;
+    the refused --init leaves no store behind: neither the folder it made nor, in an empty
+    private folder it was given, the store's files (the next --init starts afresh)."""
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # as a /dev/shm/lmctl-UID made first by someone else would be
+    tier = ["--tier-path", f"dram={shared / 'main'}", "--capacity", "dram=64MiB", "--capacity", "nvme=64MiB"]
+    one_usage_line(serve_with(tmp_path, *tier), "dram folder", "mode 0777")  # serve_with: no store left
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(empty), "--init",
+                        "--socket", str(tmp_path / "s.sock"), *tier], capture_output=True, text=True,
+                       env=env_with_path(), timeout=60)
+    one_usage_line(r, "dram folder", "mode 0777")
+    assert os.listdir(empty) == [] and not (tmp_path / "s.sock").exists() and os.listdir(shared) == []
+    os.chmod(shared, 0o700)  # put right: the same command makes the store
+    d = Daemon(empty, tmp_path / "s.sock", ["--init", *tier])
+    d.start()
+    assert d.stop() == 0
+    assert (empty / "index").is_dir() and (shared / "main").is_dir()
+
+
 # a little TOML writer for the fuzz (values as TOML spells them)
 def toml_value(v: Any) -> str:
     if isinstance(v, bool):
