@@ -46,3 +46,21 @@ def test_explain_tour_shows_every_reason(tmp_path: Path) -> None:
     assert "may still hold it" in down and "no longer has it" not in down
     # a move is one event for the chunks it dropped, not one per chunk
     assert re.search(r"evict +│ moved-remote +│ +2 │", out), out[-3000:]
+
+
+def test_trust_demo_shows_every_attack_as_a_counted_miss(tmp_path: Path) -> None:
+    """demo/trust_demo.py: on two stores sharing a real redis-server, a rewritten value, a value
+    forged with valid xxh3 checksums and two swapped values are misses counted ``forged``, never
+    promoted; a 16 GiB head claim is ``foreign`` and allocates next to nothing."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "demo/trust_demo.py"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    out = res.stdout
+    assert re.findall(r"forged (\d+), foreign (\d+)", out) == [("1", "0"), ("2", "0"), ("4", "0"), ("4", "2"),
+                                                               ("4", "2")], out
+    assert out.count("keys left on the server: 0") == 3 and "promoted into host B's own tiers: 0 of 2" in out
+    assert "['miss', 'miss']" in out and "served, bytes identical; hits 1" in out
+    peak = re.search(r"peak Python allocation (\d+) KiB", out)
+    assert peak and int(peak.group(1)) < 4096, out
+    assert not list(tmp_path.iterdir())
