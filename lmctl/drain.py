@@ -13,6 +13,10 @@ Nothing here imports the store library.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .manifest import _Bad, _check_entry, dump_manifest, write_private
@@ -20,8 +24,8 @@ from .terminal import CommandError, Terminal, human, printable
 from .units import format_duration, parse_duration
 
 #: why a chunk stayed behind, for people
-REASONS = {"budget": "over the budget", "deadline": "past the deadline", "refused": "the remote tier refused them",
-           "unreadable": "their local copy failed its checksum", "gone": "evicted meanwhile"}
+REASONS = {"budget": "over the budget", "deadline": "past the deadline", "refused": "refused by the remote tier",
+           "unreadable": "with a local copy that failed its checksum", "gone": "evicted meanwhile"}
 #: reasons that fail the command whatever they left (the others are the operator's limits)
 FAILURES = ("refused", "unreadable")
 
@@ -64,7 +68,47 @@ def _writable(path: str) -> None:
         raise CommandError("usage", f"--manifest {path}: cannot write in {folder} (missing, or not writable)")
 
 
+class _Interrupts:
+    """Ctrl-C while armed raises ``KeyboardInterrupt`` once; any other (a second Ctrl-C, or
+    ``timeout -s INT``, which signals the process and then its group) is ignored: the manifest
+    of what went is written whole, and the command ends with its one line and exit 130."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.fired = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.armed:
+            self.armed = False
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _interrupts(restore: bool) -> Iterator[_Interrupts]:
+    """``_Interrupts`` as the SIGINT handler while the drain runs; after a Ctrl-C stopped it,
+    it stays until the process exits (a moment later), unless ``restore`` (the shell, which
+    goes on)."""
+    handler = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield handler
+        return
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield handler
+    finally:
+        if restore or not handler.fired:
+            signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+
+
 def drain(term: Terminal, path: str, budget: str | None, deadline: str | None, dry_run: bool) -> bool:
+    """``lmctl drain``, its report shown; whether it succeeded (see ``_drain``)."""
+    with _interrupts(restore=term.keep_open) as interrupts:
+        return _drain(term, path, budget, deadline, dry_run, interrupts)
+
+
+def _drain(term: Terminal, path: str, budget: str | None, deadline: str | None, dry_run: bool,
+           interrupts: _Interrupts) -> bool:
     """``lmctl drain``, its report shown; whether it succeeded: not when it left pinned
     entries behind, or the remote tier refused chunks (or a local copy failed its checksum).
     Ctrl-C writes the manifest of what went and ends it with exit status 130."""
@@ -81,7 +125,9 @@ def drain(term: Terminal, path: str, budget: str | None, deadline: str | None, d
     sink: dict[str, list[Any]] = {}
     try:
         r = term.call("drain", args, long=True, sink=sink)
+        interrupts.armed = False  # the manifest is written whole, Ctrl-C or not
     except KeyboardInterrupt:
+        interrupts.armed = False
         term.hang_up()  # which cancels the daemon's job between two chunks
         went = merge(_checked(list(sink.get("manifest") or [])))
         if not dry_run:

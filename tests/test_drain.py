@@ -22,7 +22,8 @@ from test_cli_json import documented, same_keys
 from test_daemon import FMT, LAYOUT, NS, TOKENS, Daemon, tokens_file
 
 from lmctl.client import Client
-from lmctl.terminal import ExitStatus
+from lmctl.manifest import parse_manifest
+from lmctl.terminal import CommandError, ExitStatus
 from store import MiB, PutItem, Store, StoreConfig, TierConfig
 from store.config import RemoteConfig
 
@@ -129,12 +130,14 @@ def test_drain_copies_pinned_then_hottest_and_the_replacement_warms_from_its_man
 
     b = started(b_dir)  # the replacement: an empty store on the same remote tier
     try:
-        got = ok(b, "warm", "--manifest", str(manifest), "--to", "nvme")
+        got = ok(b, "warm", "--manifest", str(manifest), "--to", "nvme", "--pin")
         assert (got["chunks"], got["fetched"], got["missing"], got["failed"]) == (10, 10, 0, 0)
+        assert [x["pinned"] for x in got["entries"]] == [4, None]  # the document pinned again; the rest not
     finally:
         assert b.stop() == 0
     with Store(b_dir, readonly=True) as s:
         assert s.locate(DOC + COLD, remote=False) == ["nvme"] * 10
+        assert {k: sorted(v) for k, v in s.labels().items()} == {"contracts": sorted(DOC)}
         for k in DOC + COLD:
             c = s.get(k, touch=False)
             assert c is not None and bytes(c.data) == content(k, FMT.chunk_bytes)  # byte-identical
@@ -161,6 +164,15 @@ def test_drain_text_report_and_dry_run(tmp_path: Path, hosts: Callable[..., Path
                f"{manifest}" in lines
     finally:
         assert a.stop() == 0
+
+
+def test_warm_pin_pins_documents_and_warms_unlabelled_keys_but_a_document_needs_a_label() -> None:
+    keys = {"keys": [COLD[0].hex()]}
+    doc = {"model": "m", "tokens": TOKENS}
+    assert [e.kind for e in parse_manifest(json.dumps([{**doc, "label": "a"}, keys]), "m.json",
+                                           need_label=True)] == ["tokens", "keys"]
+    with pytest.raises(CommandError, match=r"documents\[0\]\.label: missing: --pin pins each document"):
+        parse_manifest(json.dumps([doc, keys]), "m.json", need_label=True)
 
 
 # -- the limits ----------------------------------------------------------------------------------
@@ -264,6 +276,29 @@ def test_bad_limits_and_no_remote_tier_are_usage_errors(tmp_path: Path, hosts: C
         assert a.stop() == 0
 
 
+def test_a_remote_tier_that_does_not_answer_refuses_and_the_drain_exits_1(
+        tmp_path: Path, hosts: Callable[..., Path]) -> None:
+    a_dir = hosts("a")
+    served(a_dir)
+    a = started(a_dir)
+    try:
+        pin_the_document(a, tmp_path)
+        hosts.redis.stop()  # type: ignore[attr-defined]
+        manifest = tmp_path / "drain.json"
+        t0 = time.monotonic()
+        r = lmctl(a, "--json", "drain", "--manifest", str(manifest))
+        assert r.exit_code == 1 and time.monotonic() - t0 < 30, r.stdout + r.stderr
+        got = json.loads(r.stdout)
+        assert got["went"]["chunks"] == 0 and got["left"]["reasons"]["refused"]["chunks"] == 10
+        assert (got["pinned_left"], got["pinned"][0]["reason"], got["stopped"]) == (1, "refused", None)
+        assert json.loads(manifest.read_text())["documents"] == []  # it lists nothing that is not there
+        r = lmctl(a, "drain", "--manifest", str(manifest))
+        assert r.exit_code == 1 and r.stderr == ("lmctl: drain left work undone: 1 pinned entry left behind; 10 "
+                                                 "chunk(s) refused by the remote tier; exit 1\n")
+    finally:
+        assert a.stop() == 0
+
+
 # -- Ctrl-C --------------------------------------------------------------------------------------
 def test_ctrl_c_leaves_a_manifest_of_chunks_that_are_all_in_the_remote_tier(
         tmp_path: Path, hosts: Callable[..., Path]) -> None:
@@ -284,6 +319,7 @@ def test_ctrl_c_leaves_a_manifest_of_chunks_that_are_all_in_the_remote_tier(
             time.sleep(0.05)
         c.close()
         proc.send_signal(signal.SIGINT)  # Ctrl-C, mid-way through the unpinned chunks
+        proc.send_signal(signal.SIGINT)  # twice, as timeout -s INT does: the manifest is still written
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == ExitStatus.INTERRUPTED == 130, out + err
         assert err.count("\n") == 1 and err.startswith("lmctl: drain interrupted after "), err
