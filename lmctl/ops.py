@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from store import ChunkInfo, Counts, Namespace, PutItem, RewriteResult, Store, StoreError, parse_key
@@ -569,9 +570,12 @@ class _Drain:
     not yet streamed to the client (they go, with an event, every ``DRAIN_BATCH`` chunks)."""
 
     def __init__(self, store: Store, job: Job, budget: int | None, deadline_s: float | None, dry_run: bool,
-                 names: dict[bytes, Namespace], total: int) -> None:
+                 names: dict[bytes, Namespace], order: list[bytes], reader: Executor) -> None:
         self.store, self.job, self.budget, self.deadline_s, self.dry_run = store, job, budget, deadline_s, dry_run
-        self.names, self.total = names, total
+        self.names, self.order, self.total = names, order, len(order)
+        self.next_of = dict(zip(order, order[1:], strict=False))  # the chunk after each, in drain's order
+        self.reader = reader
+        self.ahead: tuple[bytes, Future[Any]] | None = None
         self.start = time.monotonic()
         self.stopped: str | None = None
         self.copied: set[bytes] = set()
@@ -583,6 +587,21 @@ class _Drain:
         self.keys_entry: dict[tuple[str | None, bytes], list[str]] = {}  # chunks that went, by label, namespace
         self.n = 0
         self.flushed = self.start
+
+    def read(self, key: bytes) -> Any:
+        """``Store.read_stored(key)``, read ahead while the chunk before was put; then the read
+        of the chunk after it starts (the local read and the remote put overlap)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == key:
+            got = ahead[1].result()
+        else:
+            if ahead is not None:
+                ahead[1].result()  # a read for a chunk that does not go now: let it end
+            got = self.store.read_stored(key)
+        after = self.next_of.get(key)
+        if after is not None:
+            self.ahead = (after, self.reader.submit(self.store.read_stored, after))
+        return got
 
     def out_of_time(self) -> bool:
         return self.deadline_s is not None and time.monotonic() - self.start >= self.deadline_s
@@ -617,7 +636,7 @@ class _Drain:
                 self.stopped = "deadline"
                 self.leave(todo[i:], "deadline", u.row)
                 break
-            what, n = ("copied", size) if self.dry_run else self.store.copy_to_remote(key)
+            what, n = ("copied", size) if self.dry_run else self.store.copy_to_remote(key, self.read(key))
             if what != "copied":
                 self.leave([(key, size)], what, u.row)
                 continue
@@ -713,15 +732,17 @@ def op_drain(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     units.sort(key=lambda u: u.order)
     # then every other chunk, hottest first (what a pin holds went above)
     cold = sorted((_hotness(c), c.key, c.stored_bytes) for c in store.iter_chunks() if c.pin_refs == 0)
-    total = len({k for u in units for k, _n in u.keys}) + len(cold)
-    d = _Drain(store, job, limit, deadline_s, dry_run, names, total)
-    try:
-        for u in units:
-            d.run(u)
-        for order, k, size in cold:
-            d.run(_Unit([(k, size)], None, None, order))
-    finally:
-        d.log()  # a cancelled drain too: what went is in the remote tier, and the log says so
+    order = list(dict.fromkeys([k for u in units for k, _n in u.keys] + [k for _o, k, _n in cold]))
+    total = len(order)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmctl-drain-read") as reader:
+        d = _Drain(store, job, limit, deadline_s, dry_run, names, order, reader)
+        try:
+            for u in units:
+                d.run(u)
+            for hot, k, size in cold:
+                d.run(_Unit([(k, size)], None, None, hot))
+        finally:
+            d.log()  # a cancelled drain too: what went is in the remote tier, and the log says so
     d.flush()
     job.progress(total, total, "copied to the remote tier")
     for r in rows:

@@ -766,27 +766,37 @@ class Store:
                                            progress, dry_run)
         return self._writes.rewrite(keys, tier, codec, level, progress, dry_run)
 
-    def copy_to_remote(self, key: bytes) -> tuple[str, int]:
+    def read_stored(self, key: bytes) -> tuple[Entry, bytearray] | str:
+        """What ``copy_to_remote`` puts of a locally stored chunk, read (a caller may read the
+        next chunk while it puts this one): its index entry and stored (encoded) bytes,
+        verified; ``gone`` when no local tier holds it, ``unreadable`` when its bytes fail
+        verification."""
+        for _attempt in range(5):  # compaction may relocate the chunk under us: read it again
+            with self._index.read() as t:
+                raw = t.entry_raw(key)
+            e = None if raw is None else Entry.read(raw)
+            if e is None:
+                return "gone"
+            data = self._reads.stored_bytes(key, e)
+            if data is not None:
+                return e, data
+        return "unreadable"
+
+    def copy_to_remote(self, key: bytes, stored: tuple[Entry, bytearray] | str | None = None) -> tuple[str, int]:
         """Put one locally stored chunk to the remote tier as it is stored (its encoded bytes,
-        verified on the way out) and keep the local copy (``lmctl drain``). One put is one
-        server transaction: the chunk is whole in the remote tier or not there. Returns
+        verified on the way out) and keep the local copy (``lmctl drain``); ``stored``: what
+        ``read_stored(key)`` returned (None: read it here). One put is one server
+        transaction: the chunk is whole in the remote tier or not there. Returns
         (``copied``, stored bytes), (``gone``, 0) when no local tier holds it (evicted
         meanwhile), (``unreadable``, 0) when its bytes fail verification, or (``refused``, 0)
         when the server did not take it (down, full, breaker open, a chunk it cannot hold)."""
         sharing = self._sharing
         if sharing is None:
             raise StoreError("this store has no remote tier; configure one (remote.url) first")
-        for _attempt in range(5):  # compaction may relocate the chunk under us: read it again
-            with self._index.read() as t:
-                raw = t.entry_raw(key)
-            e = None if raw is None else Entry.read(raw)
-            if e is None:
-                return "gone", 0
-            data = self._reads.stored_bytes(key, e)
-            if data is not None:
-                break
-        else:
-            return "unreadable", 0
+        got = self.read_stored(key) if stored is None else stored
+        if isinstance(got, str):
+            return got, 0
+        e, data = got
         try:
             from .remote import RemoteMeta
 
