@@ -299,6 +299,34 @@ def test_a_remote_tier_that_does_not_answer_refuses_and_the_drain_exits_1(
         assert a.stop() == 0
 
 
+def test_a_chunk_evicted_during_the_drain_is_gone_not_a_failure(tmp_path: Path, hosts: Callable[..., Path]) -> None:
+    a_dir = hosts("a")
+    served(a_dir)
+    env = env_with_path()
+    env["LMCTL_FAULT_JOB_STEP_DELAY"] = "0.2"
+    a = started(a_dir, env)
+    try:
+        manifest = tmp_path / "drain.json"
+        proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "--socket", str(a.sock), "--json", "drain",
+                                 "--manifest", str(manifest)], env=env_with_path(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        c = Client(str(a.sock), timeout=10)
+        end = time.time() + 30
+        while time.time() < end and not [j for j in c.call("status")["jobs"] if j["cmd"] == "drain"]:
+            time.sleep(0.02)
+        c.close()
+        assert ok(a, "evict", "--key", COLD[0].hex())["chunks"] == 1  # sixth in drain's order
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        got = json.loads(out)
+        assert got["left"]["reasons"] == {"gone": {"chunks": 1, "bytes": got["left"]["bytes"], "pinned_chunks": 0}}
+        # nothing is pinned here: the document's chunks, never read and stored first, go last
+        assert got["went"]["chunks"] == 9
+        assert manifest_keys(manifest)[1] == [k for k in HOTTEST_FIRST + DOC[::-1] if k != COLD[0]]
+    finally:
+        assert a.stop() == 0
+
+
 # -- Ctrl-C --------------------------------------------------------------------------------------
 def test_ctrl_c_leaves_a_manifest_of_chunks_that_are_all_in_the_remote_tier(
         tmp_path: Path, hosts: Callable[..., Path]) -> None:
