@@ -62,6 +62,8 @@ def _checked(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _writable(path: str) -> None:
     """Refuse, before anything is copied, a manifest path that cannot be written."""
     folder = os.path.dirname(os.path.abspath(path))
+    if path == "-":
+        raise CommandError("usage", "--manifest -: stdout carries drain's report; name a file")
     if os.path.isdir(path):
         raise CommandError("usage", f"--manifest {path} is a folder: name a file")
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
@@ -120,8 +122,7 @@ def _drain(term: Terminal, path: str, budget: str | None, deadline: str | None, 
             args["deadline_s"] = parse_duration(deadline, unit_required=True)
         except ValueError as exc:
             raise CommandError("usage", f"--deadline {exc}") from None
-    if not dry_run:
-        _writable(path)
+    _writable(path)
     sink: dict[str, list[Any]] = {}
     try:
         r = term.call("drain", args, long=True, sink=sink)

@@ -272,6 +272,9 @@ def test_bad_limits_and_no_remote_tier_are_usage_errors(tmp_path: Path, hosts: C
         assert r.exit_code == 2 and "--manifest" in r.stderr
         r = lmctl(a, "drain", "--manifest", str(tmp_path / "no" / "such" / "m.json"))
         assert r.exit_code == 2 and "cannot write in" in r.stderr
+        for bad, says in (("-", "stdout carries drain's report"), (str(tmp_path), "is a folder")):
+            r = lmctl(a, "drain", "--manifest", bad, "--dry-run")
+            assert r.exit_code == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
     finally:
         assert a.stop() == 0
 
