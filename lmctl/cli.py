@@ -509,7 +509,7 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
 def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
         help="only events of the last DURATION: 90s, 30m, 1h, 7d, 1h30m (a unit is required)")] = None,
            kind: Annotated[list[str] | None, typer.Option(
-               help="evict, corrupt, save-dropped, pin or unpin; repeatable",
+               help="evict, corrupt, save-dropped, pin, unpin or remote-copy; repeatable",
                autocompletion=complete_values("--kind"))] = None,
            limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50,
            output: Output = None, no_headers: NoHeaders = False,
@@ -1043,6 +1043,37 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
                                           **({"partial": True} if partial else {})}, long=True))
         term.emit({k: out[k] for k in sorted(out, key=WARM_KEYS.index)}, _show_warm)
         if not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None):
+            raise typer.Exit(ExitStatus.ERROR)
+
+    term.run(body)
+
+
+@app.command()
+def drain(ctx: typer.Context, manifest: Annotated[str, typer.Option(
+        metavar="FILE", help="write the manifest of what went to FILE, for the replacement's warm --manifest")],
+          budget: Annotated[str | None, typer.Option(
+              help="copy at most SIZE of stored bytes: 2GiB, 500MiB (a unit is required)")] = None,
+          deadline: Annotated[str | None, typer.Option(
+              help="stop copying after DURATION: 90s, 5m, 1h (a unit is required)")] = None,
+          dry_run: DryRun = False) -> None:
+    """Before scale-down: copy this instance's chunks to the remote tier, pinned then hottest first, with a report.
+
+    The local copies stay. Exit 1 when pinned entries were left behind (budget, deadline, the
+    remote tier refused them) or the remote tier refused chunks; 130 on Ctrl-C, with a manifest
+    of what went.
+
+    \b
+    Examples:
+      lmctl drain --manifest drain.json --budget 20GiB --deadline 5m
+      lmctl drain --manifest drain.json --dry-run
+      lmctl warm --manifest drain.json   (on the replacement)
+    """
+    from .drain import drain as run_drain
+
+    term = Terminal.of(ctx)
+
+    def body() -> None:
+        if not run_drain(term, manifest, budget, deadline, dry_run):
             raise typer.Exit(ExitStatus.ERROR)
 
     term.run(body)

@@ -34,7 +34,7 @@ from .index import Index, Txn
 
 #: event kinds and the name of each one's counter family
 METRICS = {"evict": "evictions_total", "corrupt": "corrupt_total", "save-dropped": "saves_dropped_total",
-           "pin": "pins_total", "unpin": "unpins_total"}
+           "pin": "pins_total", "unpin": "unpins_total", "remote-copy": "remote_copies_total"}
 KINDS = tuple(METRICS)
 #: chunks the log names per event, on average at most (an eviction may name many)
 KEYS_PER_EVENT = 16
@@ -190,8 +190,8 @@ class EventLog:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Every event counter: ``{"evictions_total": {"lru": 12, ...}, "corrupt_total": {...},
-        "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...}}`` (each
-        family present, empty when nothing was counted)."""
+        "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...},
+        "remote_copies_total": {...}}`` (each family present, empty when nothing was counted)."""
         out: dict[str, dict[str, int]] = {name: {} for name in METRICS.values()}
         prefix = b"c:ev:"
         with self.index.read() as t:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .codec import Codec, codec_id
+from .codec import CODEC_NAMES, Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
 from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
@@ -766,6 +766,54 @@ class Store:
                                            progress, dry_run)
         return self._writes.rewrite(keys, tier, codec, level, progress, dry_run)
 
+    def read_stored(self, key: bytes) -> tuple[Entry, bytearray] | str:
+        """What ``copy_to_remote`` puts of a locally stored chunk, read (a caller may read the
+        next chunk while it puts this one): its index entry and stored (encoded) bytes,
+        verified; ``gone`` when no local tier holds it, ``unreadable`` when its bytes fail
+        verification."""
+        for _attempt in range(5):  # compaction may relocate the chunk under us: read it again
+            with self._index.read() as t:
+                raw = t.entry_raw(key)
+            e = None if raw is None else Entry.read(raw)
+            if e is None:
+                return "gone"
+            data = self._reads.stored_bytes(key, e)
+            if data is not None:
+                return e, data
+        return "unreadable"
+
+    def copy_to_remote(self, key: bytes, stored: tuple[Entry, bytearray] | str | None = None) -> tuple[str, int]:
+        """Put one locally stored chunk to the remote tier as it is stored (its encoded bytes,
+        verified on the way out) and keep the local copy (``lmctl drain``); ``stored``: what
+        ``read_stored(key)`` returned (None: read it here). One put is one server
+        transaction: the chunk is whole in the remote tier or not there. Returns
+        (``copied``, stored bytes), (``gone``, 0) when no local tier holds it (evicted
+        meanwhile), (``unreadable``, 0) when its bytes fail verification, or (``refused``, 0)
+        when the server did not take it (down, full, breaker open, a chunk it cannot hold)."""
+        sharing = self._sharing
+        if sharing is None:
+            raise StoreError("this store has no remote tier; configure one (remote.url) first")
+        got = self.read_stored(key) if stored is None else stored
+        if isinstance(got, str):
+            return got, 0
+        e, data = got
+        try:
+            from .remote import RemoteMeta
+
+            meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
+                              tokens=e.tokens, checksum=e.checksum)
+            took = sharing.tier.put(key, data, meta)
+        except StoreError as exc:  # a chunk the tier cannot hold (too large, odd metadata)
+            log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
+            took = False
+        return ("copied", len(data)) if took else ("refused", 0)
+
+    def log_remote_copies(self, keys: Sequence[bytes], nbytes: int, reason: str = "drain") -> None:
+        """Log chunks just copied to the remote tier (``copy_to_remote``) as one event of kind
+        ``remote-copy``: ``lmctl events`` says they are in the remote tier now."""
+        if keys:
+            self._index.write(lambda t: t.event("remote-copy", reason, list(keys), tier="remote", bytes=nbytes))
+
     # -- reading ---------------------------------------------------------------------------
     def info(self, key: bytes) -> ChunkInfo | None:
         """Index metadata of one chunk (no read of its bytes); None if it is not stored."""
@@ -1035,7 +1083,8 @@ class Store:
     def events(self, since: float | None = None, kinds: Sequence[str] | None = None,
                limit: int = 100, after: int | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` events (0: all) of the store's bounded event log since the time
-        ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``),
+        ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``,
+        ``remote-copy``),
         after the event whose ``seq`` is ``after`` (for a reader that follows the log),
         oldest first. Each is a dict: ``seq``, ``time``, ``kind``, ``reason``, ``chunks``, and
         as it applies ``key`` (the first chunk it names), ``tier``, ``bytes``, ``label``,
