@@ -146,7 +146,7 @@ class Announcer:
 
     def __init__(self, store: Store, ours: Callable[[bytes], bool], block_size: int, chunk_size: int, *,
                  reannounce: bool = True, batch: int = REANNOUNCE_BATCH, poll_s: float = POLL_S,
-                 verify_s: float = VERIFY_S, map_limit: int = MAP_LIMIT,
+                 verify_s: float = VERIFY_S, map_limit: int = MAP_LIMIT, instance: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.ours = ours
@@ -157,6 +157,7 @@ class Announcer:
         self.verify_s = verify_s
         self.map_limit = max(1, map_limit)
         self.clock = clock
+        self.instance = instance  # who announced, in the store's event log (e.g. the events topic, pid)
         self._events: list[Event] = []
         # chunk key -> the (medium, locality) pairs announced for it
         self._media: OrderedDict[bytes, set[tuple[str, str]]] = OrderedDict()
@@ -212,7 +213,7 @@ class Announcer:
             note, forget, logged = self._note, self._forget, self._log
             self._note, self._forget, self._log = [], [], {}
             try:
-                self.store.announced(note, forget, logged)
+                self.store.announced(note, forget, logged, detail=self.instance)
             except Exception as exc:
                 log.warning("lmctl: KV events: could not record what was announced: %s", exc)
         return out

@@ -20,6 +20,7 @@ live in one process, one store (``store.open_shared``).
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -175,8 +176,10 @@ class LMCtlConnector(KVConnectorBase_V1):
         mine = {rec.ns_id for rec, _doc in self.store.namespace_records().values()
                 if rec.model == ctx.model_id and rec.kv_format == ctx.kv_format
                 and rec.model_fingerprint == ctx.model_fingerprint}
+        topic = str(getattr(self._vllm_config.kv_events_config, "topic", "") or "")
         sched.announcer = Announcer(self.store, mine.__contains__, ctx.block_size, ctx.kv_format.chunk_size,
-                                    reannounce=reannounce and bool(mine))
+                                    reannounce=reannounce and bool(mine),
+                                    instance=(f"topic {topic}, " if topic else "") + f"pid {os.getpid()}")
         sched.convert_hash = maybe_convert_block_hash
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -71,6 +71,8 @@ EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                             "failed)."),
     "pins_total": ("lmctl_pins_total", "Pin references added, by reason."),
     "unpins_total": ("lmctl_unpins_total", "Pin references removed, by reason."),
+    "announced_total": ("lmctl_announced_total", "Chunks engines announced to routers in KV events, by reason "
+                        "(stored, reannounced, removed)."),
 }
 
 

@@ -14,7 +14,7 @@ from test_daemon import OTHER, TOKENS, Daemon, cj, cli, fill, tokens_file
 MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "queues", "chunk.layout", "chunks[].layout",
         "evicts",
         *(f"counters.{name}" for name in ("evictions_total", "corrupt_total", "saves_dropped_total", "pins_total",
-                                          "unpins_total"))}
+                                          "unpins_total", "announced_total"))}
 
 
 def documented() -> dict[str, Any]:

@@ -219,15 +219,23 @@ def test_lmctl_evict_is_announced_as_removed(fleet: Fleet, tmp_path: Path) -> No
     d.start()
     try:
         model = str(fleet.models["base"])
+        ask = ("lookup", "--model", model, "--adapter", "a", "--tokens", str(doc), "--router", fleet.indexer.url,
+               "--router-model", fleet.indexer.model_name)
+        r = cj(d, *ask)
+        assert r["hit_tokens"] == 512 and r["router"]["lora_name"] == "a"
+        assert r["router"]["instances"]["1"]["longest_matched"] == 512
         r = cj(d, "evict", "--model", model, "--adapter", "a", "--tokens", str(doc))
         assert r["chunks"] == 2
         fleet.step()  # the engine learns it from the store's event log at its next step
         assert fleet.indexer.wait_matched(P, 0, "a") == 0
+        r = cj(d, *ask)
+        assert r["hit_tokens"] == 0 and r["router"]["instances"] == {}
         _frames, events = fleet.sub.taken()
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert len(removed) == 2 and all(len(e.block_hashes) == 2 and e.medium == "STORAGE" for e in removed)
         shown = cj(d, "events", "--kind", "announce", "--limit", "0")["events"]
         assert {e["reason"] for e in shown} >= {"stored", "reannounced", "removed"}
+        assert all(e["detail"].startswith(f"topic {TOPIC}, pid ") for e in shown)  # which instance announced
         text = cli(d, "events", "--kind", "announce")
         assert text.returncode == 0 and "reannounced" in text.stdout
     finally:
