@@ -53,6 +53,10 @@ VERIFY_S = 60.0
 MAP_LIMIT = 100_000
 #: removal events read per poll, at most
 EVENTS_PER_POLL = 1000
+#: how often what was announced is written to the store: the records (for a restart), and the
+#: ``announce`` events of its log (one per reason per write, so that a busy engine does not
+#: push evictions out of the bounded log)
+WRITE_S = 5.0
 REMOVAL_KINDS = ("evict", "corrupt", "save-dropped")
 
 BlockHash = int | bytes
@@ -146,7 +150,8 @@ class Announcer:
 
     def __init__(self, store: Store, ours: Callable[[bytes], bool], block_size: int, chunk_size: int, *,
                  reannounce: bool = True, batch: int = REANNOUNCE_BATCH, poll_s: float = POLL_S,
-                 verify_s: float = VERIFY_S, map_limit: int = MAP_LIMIT, instance: str = "",
+                 verify_s: float = VERIFY_S, map_limit: int = MAP_LIMIT, write_s: float = WRITE_S,
+                 instance: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.ours = ours
@@ -156,7 +161,9 @@ class Announcer:
         self.poll_s = poll_s
         self.verify_s = verify_s
         self.map_limit = max(1, map_limit)
+        self.write_s = write_s
         self.clock = clock
+        self._next_write = clock() + write_s
         self.instance = instance  # who announced, in the store's event log (e.g. the events topic, pid)
         self._events: list[Event] = []
         # chunk key -> the (medium, locality) pairs announced for it
@@ -164,7 +171,7 @@ class Announcer:
         # saves announced when planned, not yet seen in the store: key -> (when, tier announced)
         self._verify: OrderedDict[bytes, tuple[float, str]] = OrderedDict()
         self._recheck: OrderedDict[bytes, None] = OrderedDict()  # loaded chunks: promoted?
-        self._note: list[tuple[bytes, int, bytes]] = []
+        self._note: dict[bytes, tuple[int, bytes]] = {}  # records not written yet: key -> (position, record)
         self._log: dict[str, list[bytes]] = {}
         self._forget: list[bytes] = []
         self._after = store.last_event_seq()  # removals from here on
@@ -183,9 +190,13 @@ class Announcer:
         rec = Record(list(hashes), parent, list(tokens), self.block_size, lora_name)
         tier = self.store.config.default_tier
         self._emit(key, rec.stored(tier), "stored")
-        self._note.append((key, position, rec.encode()))
+        self._note[key] = (position, rec.encode())
+        if key in self._forget:  # removed earlier in this write interval, and saved again
+            self._forget.remove(key)
         self._verify[key] = (self.clock(), tier)
         self._verify.move_to_end(key)
+        while len(self._verify) > self.map_limit:
+            self._verify.popitem(last=False)
 
     def loaded(self, keys: Sequence[bytes]) -> None:
         """Chunks were loaded (a hit promotes): check their tier at the next step."""
@@ -209,14 +220,22 @@ class Announcer:
         except Exception as exc:
             log.warning("lmctl: KV events: %s", exc)
         out, self._events = self._events, []
+        if self.clock() >= self._next_write or len(self._note) + len(self._forget) >= 4096:
+            self.flush()
+        return out
+
+    def flush(self) -> None:
+        """Write what was announced since the last write to the store: the records, and one
+        ``announce`` event per reason (also at the engine's shutdown)."""
+        self._next_write = self.clock() + self.write_s
         if self._note or self._forget or self._log:
-            note, forget, logged = self._note, self._forget, self._log
-            self._note, self._forget, self._log = [], [], {}
+            note = [(k, pos, rec) for k, (pos, rec) in self._note.items()]
+            forget, logged = self._forget, self._log
+            self._note, self._forget, self._log = {}, [], {}
             try:
                 self.store.announced(note, forget, logged, detail=self.instance)
             except Exception as exc:
                 log.warning("lmctl: KV events: could not record what was announced: %s", exc)
-        return out
 
     def _emit(self, key: bytes, ev: Event, reason: str) -> None:
         self._events.append(ev)
@@ -277,7 +296,7 @@ class Announcer:
             if TIER_MEDIUM[tier] not in self._media.get(key, set()):
                 moved.append((key, tier))
         if moved or lost:
-            recs = self.store.announcement_of([k for k, _t in moved] + lost)
+            recs = self._records([k for k, _t in moved] + lost)
             for key, tier in moved:
                 rec = self._record(recs.get(key))
                 if rec is not None:
@@ -285,9 +304,10 @@ class Announcer:
             self._removed(lost, recs)
 
     def _poll_removals(self) -> None:
+        top = self.store.last_event_seq()  # first: an event logged meanwhile is read next time
         evs = self.store.events(after=self._after, kinds=REMOVAL_KINDS, limit=EVENTS_PER_POLL)
         if not evs:
-            self._after = max(self._after, self.store.last_event_seq())
+            self._after = max(self._after, top)
             return
         keys: list[bytes] = []
         for ev in evs:
@@ -307,7 +327,7 @@ class Announcer:
         for k in keys:
             self._verify.pop(k, None)
         keys = list(dict.fromkeys(keys))
-        recs = self.store.announcement_of(keys)
+        recs = self._records(keys)
         still = self.store.locate(list(recs), remote=False)  # saved again since: not gone
         self._removed([k for k, t in zip(recs, still, strict=True) if t is None], recs)
 
@@ -320,7 +340,14 @@ class Announcer:
             for medium, locality in sorted(media):
                 self._emit(key, Removed(rec.block_hashes, medium, locality), "removed")
             self._media.pop(key, None)
+            self._note.pop(key, None)
             self._forget.append(key)
+
+    def _records(self, keys: Sequence[bytes]) -> dict[bytes, tuple[int, bytes]]:
+        """What was announced of ``keys``: the store's records, and those not written yet."""
+        recs = self.store.announcement_of([k for k in keys if k not in self._note])
+        recs.update((k, self._note[k]) for k in keys if k in self._note)
+        return recs
 
     def _record(self, found: tuple[int, bytes] | None) -> Record | None:
         return None if found is None else Record.decode(found[1], self.block_size, self.chunk_size)

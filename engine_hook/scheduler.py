@@ -341,6 +341,8 @@ class LMCtlConnectorScheduler:
         """Let go of the store (safe to call more than once)."""
         if not self._closed:
             self._closed = True
+            if self.announcer is not None:
+                self.announcer.flush()
             if self._remote_pool is not None:
                 self._remote_pool.shutdown(wait=True)
             release_shared(self.store)

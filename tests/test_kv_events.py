@@ -60,7 +60,7 @@ def hashes(seed: int, n: int) -> list[int]:
 
 def announcer(s: Store, ns_ids: set[bytes] | None = None, **kw: Any) -> Announcer:
     ours = (lambda nid: True) if ns_ids is None else ns_ids.__contains__
-    return Announcer(s, ours, BS, 256, **{"poll_s": 0.0, **kw})
+    return Announcer(s, ours, BS, 256, **{"poll_s": 0.0, "write_s": 0.0, **kw})
 
 
 def save_chain(a: Announcer, ns: Namespace, toks: list[int], seed: int, lora: str | None = None) -> list[bytes]:
@@ -127,6 +127,29 @@ def test_a_dropped_save_is_announced_removed(store: Store) -> None:
     store.record_dropped_saves([(keys[0], "queue-full")])
     got = a.take()
     assert [type(e) for e in got] == [Removed] and got[0].block_hashes == hashes(3, 2)
+
+
+def test_what_was_announced_is_written_in_batches(store: Store) -> None:
+    """One store transaction and one logged event per reason per ``write_s``, not per step: a
+    busy engine does not push evictions out of the bounded event log."""
+    now = [0.0]
+    a = announcer(store, write_s=5.0, clock=lambda: now[0])
+    keys = save_chain(a, NS, tokens(6), seed=6) + save_chain(a, NS, tokens(7), seed=7)
+    put(store, keys)
+    assert len(a.take()) == 6
+    now[0] = 1.0
+    store.evict(keys[:1])
+    assert [type(e) for e in a.take()] == [Removed]
+    assert store.events(kinds=["announce"]) == [] and store.announcement_of(keys) == {}
+    now[0] = 5.0
+    a.take()
+    ev = store.events(kinds=["announce"])
+    assert sorted((e["reason"], e["chunks"]) for e in ev) == [("removed", 1), ("stored", 6)]
+    assert set(store.announcement_of(keys)) == set(keys[1:])
+    save_chain(a, NS, tokens(8, 256), seed=8)
+    a.take()
+    a.flush()  # at the engine's shutdown
+    assert len(store.events(kinds=["announce"])) == 3
 
 
 def test_a_save_that_never_arrives_is_announced_removed(store: Store) -> None:

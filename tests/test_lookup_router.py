@@ -11,8 +11,9 @@ from pathlib import Path
 
 from conftest import fake_engine
 from redis_server import free_port
-from router_index import Indexer
 from test_daemon import TOKENS, Daemon, cj, cli, tokens_file
+
+from demo.router_index import Indexer
 
 BLOCK = 16  # the test store's chunk size, and the "engine's" block size here
 

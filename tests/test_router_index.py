@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 from conftest import ROOT
 from redis_server import free_port
-from router_index import Indexer
 from test_daemon import Daemon, cj, cli
 
 import demo.engine  # noqa: F401  (sets vLLM's environment first)
 from demo.engine import Engine
 from demo.models import make_lora, tiny_llama
+from demo.router_index import Indexer
 
 VOCAB = 1024
 BLOCK = 128  # vLLM's block size on the CPU
@@ -139,6 +139,12 @@ class Fleet:
         connector has events to publish): the in-process engine steps only when asked."""
         self.engine.llm.llm_engine.step()
 
+    def announcer(self) -> Any:
+        from engine_hook.vllm import live_connectors
+
+        sched = next(c.connector_scheduler for c in live_connectors() if c.connector_scheduler is not None)
+        return sched.announcer
+
     def close(self) -> None:
         if self.engine.llm is not None:
             self.engine.close()
@@ -233,6 +239,7 @@ def test_lmctl_evict_is_announced_as_removed(fleet: Fleet, tmp_path: Path) -> No
         _frames, events = fleet.sub.taken()
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert len(removed) == 2 and all(len(e.block_hashes) == 2 and e.medium == "STORAGE" for e in removed)
+        fleet.announcer().flush()  # written every few seconds (and at shutdown)
         shown = cj(d, "events", "--kind", "announce", "--limit", "0")["events"]
         assert {e["reason"] for e in shown} >= {"stored", "reannounced", "removed"}
         assert all(e["detail"].startswith(f"topic {TOPIC}, pid ") for e in shown)  # which instance announced

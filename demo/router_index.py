@@ -1,13 +1,15 @@
-"""A real router index for tests: Dynamo's standalone KV indexer (``python -m dynamo.indexer``,
-PyPI ``ai-dynamo-runtime``), run from its own small venv (``.venv-router``, made by
-scripts/setup.sh: it pins a pydantic older than vLLM's), subscribed to one engine's
-KV-events publisher, and asked over HTTP (``POST /query``). Stopped by pid."""
+"""A real router index for the tests and the demo: Dynamo's standalone KV indexer
+(``python -m dynamo.indexer``, PyPI ``ai-dynamo-runtime``), run from its own small venv
+(``.venv-router``, made by scripts/setup.sh: it pins a pydantic older than vLLM's),
+subscribed to one engine's KV-events publisher, and asked over HTTP (``POST /query``).
+Stopped by pid."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -15,10 +17,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from redis_server import free_port
-
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_PYTHON = Path(os.environ.get("LMCTL_ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python")))
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Indexer:
