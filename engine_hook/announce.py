@@ -205,6 +205,18 @@ class Announcer:
         while len(self._recheck) > self.map_limit:
             self._recheck.popitem(last=False)
 
+    def pending(self) -> bool:
+        """Whether a step would publish something without a request: the re-announce is not
+        done, or the store's event log has news since the last look (due every ``poll_s``)."""
+        if self.reannouncing:
+            return True
+        if self.clock() < self._next_poll:
+            return False
+        try:
+            return self.store.last_event_seq() > self._after
+        except Exception:
+            return False
+
     # -- what vLLM takes ------------------------------------------------------------------------
     def take(self) -> list[Event]:
         """This step's events; then what they say is written to the store (one transaction).

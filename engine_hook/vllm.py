@@ -191,11 +191,13 @@ class LMCtlConnector(KVConnectorBase_V1):
         return [to_vllm_event(e) for e in sched.announcer.take()]
 
     def has_pending_push_work(self) -> bool:
-        """True while the re-announce after start-up is not done: vLLM keeps stepping (empty
-        steps, a batch of chunks each) so that a restarted instance is routable before its
-        first request."""
+        """True while the re-announce after start-up is not done, and when the store's event
+        log has news to look at (a removal to announce): vLLM then steps without requests
+        (empty steps, a batch of chunks each) so that a restarted instance is routable before
+        its first request. vLLM asks before it waits for requests: an engine already waiting
+        publishes at its next step."""
         sched = self.connector_scheduler
-        return sched is not None and sched.announcer is not None and sched.announcer.reannouncing
+        return sched is not None and sched.announcer is not None and sched.announcer.pending()
 
     # -- worker side -------------------------------------------------------------------
     def _metadata(self) -> LMCtlMetadata | None:

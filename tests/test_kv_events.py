@@ -111,6 +111,7 @@ def test_a_chunk_removed_by_another_process_is_announced_removed(store: Store, t
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), *(k.hex() for k in keys[1:])],
                        capture_output=True, text=True, env=env_with_path(), timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr
+    assert a.pending()  # news in the log: an engine without requests steps to announce it
     got = wire(a.take())
     assert [type(e) for e in got] == [BlockRemoved, BlockRemoved]
     h = hashes(2, 6)
@@ -118,6 +119,7 @@ def test_a_chunk_removed_by_another_process_is_announced_removed(store: Store, t
     assert all(e.medium == MEDIUM_STORAGE and e.locality == "LOCAL" for e in got)
     assert set(store.announcement_of(keys)) == {keys[0]}  # their records are gone
     assert a.take() == []
+    assert not a.pending()
 
 
 def test_a_dropped_save_is_announced_removed(store: Store) -> None:

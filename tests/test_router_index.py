@@ -16,7 +16,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,16 @@ class Fleet:
         out = self.engine.generate(tokens, lora, 2)
         return int(out.num_cached_tokens or 0)
 
+    def step_until(self, done: Callable[[], bool], timeout: float = 15) -> bool:
+        """Idle engine steps (as the engine loop makes them) until ``done()``."""
+        end = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > end:
+                return False
+            self.step()
+            time.sleep(0.1)
+        return True
+
     def step(self) -> None:
         """One engine step with nothing to compute (what an idle ``vllm serve`` does while the
         connector has events to publish): the in-process engine steps only when asked."""
@@ -232,8 +242,9 @@ def test_lmctl_evict_is_announced_as_removed(fleet: Fleet, tmp_path: Path) -> No
         assert r["router"]["instances"]["1"]["longest_matched"] == 512
         r = cj(d, "evict", "--model", model, "--adapter", "a", "--tokens", str(doc))
         assert r["chunks"] == 2
-        fleet.step()  # the engine learns it from the store's event log at its next step
-        assert fleet.indexer.wait_matched(P, 0, "a") == 0
+        # the engine learns it from the store's event log (read every 0.5 s) at a step: an
+        # engine without requests steps while its connector has news (has_pending_push_work)
+        assert fleet.step_until(lambda: fleet.indexer.matched(P, "a") == 0)
         r = cj(d, *ask)
         assert r["hit_tokens"] == 0 and r["router"]["instances"] == {}
         _frames, events = fleet.sub.taken()
