@@ -460,9 +460,6 @@ def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typ
       lmctl lookup --file contract.txt --router http://router:8090 --router-model smollm2
     """
     term = Terminal.of(ctx)
-    if router is not None or router_model is not None:
-        _lookup_router(term, sel, explain, router, router_model)
-        return
     if min_hit is not None and not 0 <= min_hit <= 1:
         raise typer.Exit(term.report("usage", f"--min-hit must be a fraction between 0 and 1 (0.9: 90%), not "
                                               f"{min_hit:g}"))
@@ -481,11 +478,14 @@ def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typ
 
     # a gate under --quiet: the exit status is the answer, the line below says why it failed
     show: Show = (lambda t, r: None) if term.quiet and min_hit is not None else _show_lookup
+    if router is not None or router_model is not None:
+        _lookup_router(term, sel, explain, router, router_model, show, enough)
+        return
     _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, show, ok=enough)
 
 
 def _lookup_router(term: Terminal, sel: dict[str, Any], explain: bool, url: str | None,
-                   model: str | None) -> None:
+                   model: str | None, show: Show, ok: Callable[[dict[str, Any]], bool]) -> None:
     """``lookup --router``: this store's answer, then the router's, per instance."""
     from .router import ask, query_url
 
@@ -506,7 +506,9 @@ def _lookup_router(term: Terminal, sel: dict[str, Any], explain: bool, url: str 
         lora = None if not adapter else str(adapter).split("@", 1)[0]
         r["router"] = {"url": url, "model_name": name, "lora_name": lora,
                        "instances": ask(url, [int(t) for t in tokens], name, lora)}
-        term.emit(r, _show_lookup)
+        term.emit(r, show)
+        if not ok(r):
+            raise typer.Exit(ExitStatus.ERROR)
 
     term.run(body)
 

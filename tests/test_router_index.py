@@ -59,6 +59,7 @@ class Subscriber:
         self.sock.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.frames: list[tuple[bytes, int, int]] = []  # topic, seq, payload bytes
+        self.raw: list[bytes] = []  # every payload as it came
         self.events: list[Any] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -76,6 +77,7 @@ class Subscriber:
             batch = self.decoder.decode(payload)  # raises (and the test fails) on anything else
             with self._lock:
                 self.frames.append((topic, int.from_bytes(seq, "big"), len(topic) + len(seq) + len(payload)))
+                self.raw.append(bytes(payload))
                 self.events.extend(batch.events)
 
     def taken(self) -> tuple[list[tuple[bytes, int, int]], list[Any]]:
@@ -258,3 +260,25 @@ def test_lmctl_evict_is_announced_as_removed(fleet: Fleet, tmp_path: Path) -> No
         assert text.returncode == 0 and "reannounced" in text.stdout
     finally:
         d.stop()
+
+
+def test_a_cache_salt_is_never_published(fleet: Fleet) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    salt = "tenant-7-secret-salt"
+    _frames, before = fleet.sub.taken()
+    fleet.engine.generate(P, None, 1, salt)
+    fleet.engine.generate(P, None, 1)
+    assert fleet.step_until(lambda: len(fleet.sub.taken()[1]) >= len(before) + 4)
+    _frames, events = fleet.sub.taken()
+    salted, plain = [e for e in events[len(before):] if isinstance(e, BlockStored)][:4:2]
+    assert salted.token_ids == plain.token_ids == P[:256]
+    assert salted.block_hashes != plain.block_hashes  # the salt enters the engine's hashes only
+    assert salted.extra_keys is None
+    with fleet.sub._lock:
+        raw = b"".join(fleet.sub.raw)
+    assert salt.encode() not in raw
+    fleet.announcer().flush()
+    store = fleet.announcer().store
+    records = b"".join(rec for _row, _pos, _key, rec in store.announcements(None, 10_000))
+    assert records and salt.encode() not in records
