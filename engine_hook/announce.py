@@ -57,6 +57,8 @@ EVENTS_PER_POLL = 1000
 #: ``announce`` events of its log (one per reason per write, so that a busy engine does not
 #: push evictions out of the bounded log)
 WRITE_S = 5.0
+#: chunks an ``announce`` event names, at most (it counts them all)
+LOG_KEYS = 64
 REMOVAL_KINDS = ("evict", "corrupt", "save-dropped")
 
 BlockHash = int | bytes
@@ -172,7 +174,8 @@ class Announcer:
         self._verify: OrderedDict[bytes, tuple[float, str]] = OrderedDict()
         self._recheck: OrderedDict[bytes, None] = OrderedDict()  # loaded chunks: promoted?
         self._note: dict[bytes, tuple[int, bytes]] = {}  # records not written yet: key -> (position, record)
-        self._log: dict[str, list[bytes]] = {}
+        self._log: dict[str, list[bytes]] = {}  # reason -> the first LOG_KEYS chunks
+        self._logged: dict[str, int] = {}  # reason -> chunks
         self._forget: list[bytes] = []
         self._after = store.last_event_seq()  # removals from here on
         self._next_poll = 0.0
@@ -242,17 +245,20 @@ class Announcer:
         self._next_write = self.clock() + self.write_s
         if self._note or self._forget or self._log:
             note = [(k, pos, rec) for k, (pos, rec) in self._note.items()]
-            forget, logged = self._forget, self._log
-            self._note, self._forget, self._log = {}, [], {}
+            forget, logged, counts = self._forget, self._log, self._logged
+            self._note, self._forget, self._log, self._logged = {}, [], {}, {}
             try:
-                self.store.announced(note, forget, logged, detail=self.instance)
+                self.store.announced(note, forget, logged, detail=self.instance, counts=counts)
             except Exception as exc:
                 log.warning("lmctl: KV events: could not record what was announced: %s", exc)
 
     def _emit(self, key: bytes, ev: Event, reason: str) -> None:
         self._events.append(ev)
         self.counts[reason] += 1
-        self._log.setdefault(reason, []).append(key)
+        named = self._log.setdefault(reason, [])
+        if len(named) < LOG_KEYS:
+            named.append(key)
+        self._logged[reason] = self._logged.get(reason, 0) + 1
         media = self._media.pop(key, set())
         if isinstance(ev, Stored):
             media.add((ev.medium, ev.locality))

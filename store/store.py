@@ -1053,12 +1053,14 @@ class Store:
         return self._events.keys_of(seq)
 
     def announced(self, note: Sequence[tuple[bytes, int, bytes]] = (), forget: Sequence[bytes] = (),
-                  log: Mapping[str, Sequence[bytes]] | None = None, detail: str = "") -> None:
+                  log: Mapping[str, Sequence[bytes]] | None = None, detail: str = "",
+                  counts: Mapping[str, int] | None = None) -> None:
         """What an engine announced to routers, in one write transaction: keep the records of
         ``note`` (``(chunk key, chain position, record)``, for its re-announce after a
         restart: store/announce.py), drop those of ``forget``, and log one ``announce`` event
         per reason of ``log`` (``stored``, ``removed``, ``reannounced`` -> the chunks), which
-        ``lmctl events --kind announce`` shows. Nothing when the store cannot be written."""
+        ``lmctl events --kind announce`` shows; ``counts``: how many chunks each reason's
+        event counts, when not as many as it names. Nothing when the store cannot be written."""
         logged = {r: list(k) for r, k in (log or {}).items() if k}
         if not (note or forget or logged) or not self._announce.usable():
             return
@@ -1069,7 +1071,7 @@ class Store:
             if forget:
                 self._announce.forget(t, forget)
             for reason, keys in logged.items():
-                t.event("announce", reason, keys, detail=detail)
+                t.event("announce", reason, keys, chunks=(counts or {}).get(reason, len(keys)), detail=detail)
 
         self._index.write(fn)
 

@@ -24,7 +24,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 
-from engine_hook.announce import Announcer, Record, Removed, Stored
+from engine_hook.announce import LOG_KEYS, Announcer, Record, Removed, Stored
 from engine_hook.vllm import to_vllm_event
 from store import KVFormat, Namespace, PutItem, Store, StoreConfig, TierConfig
 from store.config import GiB, MiB
@@ -152,6 +152,13 @@ def test_what_was_announced_is_written_in_batches(store: Store) -> None:
     a.take()
     a.flush()  # at the engine's shutdown
     assert len(store.events(kinds=["announce"])) == 3
+    # an event counts every chunk but names at most LOG_KEYS of them (the log stays small)
+    many = [save_chain(a, NS, tokens(1000 + i), seed=1000 + i) for i in range(30)]
+    a.take()
+    a.flush()
+    ev = store.events(kinds=["announce"])[-1]
+    assert ev["chunks"] == 90 and len(store.event_keys(ev["seq"])) == LOG_KEYS
+    assert len(store.announcement_of([k for c in many for k in c])) == 90
 
 
 def test_a_save_that_never_arrives_is_announced_removed(store: Store) -> None:
@@ -207,7 +214,9 @@ def test_a_restarted_engine_reannounces_roots_first_in_bounded_batches(store: St
     assert [e.parent_block_hash is None for e in got[:4]] == [True] * 4
     assert {e.lora_name for e in got} == {"civil", None}
     assert set(store.announcement_of(chains[4])) == set()  # records of gone chunks are dropped
-    assert [e["reason"] for e in store.events(kinds=["announce"])][-1] == "reannounced"
+    logged = [e for e in store.events(kinds=["announce"]) if e["reason"] == "reannounced"]
+    assert sum(e["chunks"] for e in logged) == 12  # written every step here (write_s 0)
+    assert sum(len(store.event_keys(e["seq"])) for e in logged) == 12
 
 
 def test_hostile_records_are_skipped(store: Store) -> None:
