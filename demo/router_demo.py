@@ -150,8 +150,10 @@ def main() -> None:
         eng.start()
         idx = Indexer(work, f"tcp://127.0.0.1:{port}", BLOCK, model_name="tiny")
         time.sleep(0.5)
-        eng.llm.llm_engine.step()  # an idle step, as vllm serve makes while the connector announces
-        idx.wait_matched(p, 512, "a")
+        end = time.monotonic() + 15
+        while idx.matched(p, "a") != 512 and time.monotonic() < end:  # idle steps, as vllm serve makes
+            eng.llm.llm_engine.step()  # them while the connector has something to announce
+            time.sleep(0.1)
         print(f"# engine up and announced in {time.perf_counter() - t0:.1f} s")
         show_query(idx, p, "a")
 

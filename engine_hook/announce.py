@@ -45,6 +45,9 @@ TIER_MEDIUM: dict[str, tuple[str, str]] = {"dram": ("CPU", "LOCAL"), "nvme": ("S
                                            "remote": ("STORAGE", "REMOTE")}
 #: chunks re-announced per step, at most (a step is never delayed by more than one page read)
 REANNOUNCE_BATCH = 64
+#: how long after start-up the re-announce begins: subscribers that were connected to the
+#: previous run reconnect meanwhile (a ZMQ subscriber misses what is published before it is)
+REANNOUNCE_DELAY_S = 3.0
 #: how often the store's event log is read for removals
 POLL_S = 0.5
 #: how long a planned save may take to appear in the store before it counts as not stored
@@ -78,6 +81,14 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class Cleared:
+    """Everything this instance held is gone (vLLM's ``AllBlocksCleared``): said at the first
+    step after start-up (and again as the re-announce begins, if nothing was announced
+    meanwhile), so that a router that kept the previous run's state forgets what left the
+    store while no engine listened."""
+
+
+@dataclass(frozen=True)
 class Removed:
     """A chunk's blocks left a tier (vLLM's ``BlockRemoved``)."""
 
@@ -86,7 +97,7 @@ class Removed:
     locality: str
 
 
-Event = Stored | Removed
+Event = Stored | Removed | Cleared
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,7 @@ class Announcer:
 
     def __init__(self, store: Store, ours: Callable[[bytes], bool], block_size: int, chunk_size: int, *,
                  reannounce: bool = True, batch: int = REANNOUNCE_BATCH, poll_s: float = POLL_S,
+                 reannounce_delay_s: float = REANNOUNCE_DELAY_S,
                  verify_s: float = VERIFY_S, map_limit: int = MAP_LIMIT, write_s: float = WRITE_S,
                  instance: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -181,6 +193,9 @@ class Announcer:
         self._next_poll = 0.0
         self._cursor: bytes | None = None
         self.reannouncing = reannounce
+        self._start_at = clock() + max(0.0, reannounce_delay_s)
+        self._cleared = False
+        self._stored_since_start = False
         self.counts = {"stored": 0, "removed": 0, "reannounced": 0}
 
     # -- what the scheduler tells it ----------------------------------------------------------
@@ -210,7 +225,9 @@ class Announcer:
 
     def pending(self) -> bool:
         """Whether a step would publish something without a request: the re-announce is not
-        done, or the store's event log has news since the last look (due every ``poll_s``)."""
+        done (or waits for its start, ``reannounce_delay_s`` after start-up: the engine makes
+        empty steps meanwhile), or the store's event log has news since the last look (due
+        every ``poll_s``)."""
         if self.reannouncing:
             return True
         if self.clock() < self._next_poll:
@@ -225,7 +242,16 @@ class Announcer:
         """This step's events; then what they say is written to the store (one transaction).
         A cache problem costs events, never an engine error."""
         try:
-            if self.reannouncing:
+            first = not self._cleared
+            if first:
+                # the engine's memory is empty at start: so is what it announced; before this
+                # step's saves (the scheduler told them before vLLM takes the events)
+                self._cleared = True
+                self._events.insert(0, Cleared())
+            if self.reannouncing and self.clock() >= self._start_at:
+                if not first and self._cursor is None and not self._stored_since_start:
+                    # said again for subscribers that were not back at the first step
+                    self._events.insert(0, Cleared())
                 self._reannounce()
             self._check_tiers()
             now = self.clock()
@@ -261,6 +287,7 @@ class Announcer:
         self._logged[reason] = self._logged.get(reason, 0) + 1
         media = self._media.pop(key, set())
         if isinstance(ev, Stored):
+            self._stored_since_start = True
             media.add((ev.medium, ev.locality))
             self._media[key] = media
             while len(self._media) > self.map_limit:

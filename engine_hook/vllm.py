@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .announce import Announcer, Event, Stored
+from .announce import Announcer, Cleared, Event, Stored
 from .config import ConnectorSettings
 from .context import ConnectorContext
 from .metrics import LMCtlPromMetrics, LMCtlStats, build_stats
@@ -300,8 +300,10 @@ class LMCtlConnector(KVConnectorBase_V1):
 
 def to_vllm_event(e: Event) -> KVCacheEvent:
     """vLLM's ``BlockStored`` / ``BlockRemoved`` for one of the announcer's events."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+    if isinstance(e, Cleared):
+        return AllBlocksCleared()
     if isinstance(e, Stored):
         return BlockStored(block_hashes=list(e.block_hashes), parent_block_hash=e.parent_block_hash,
                            token_ids=list(e.token_ids), block_size=e.block_size, lora_id=None, medium=e.medium,

@@ -19,12 +19,13 @@ from conftest import env_with_path
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
 
-from engine_hook.announce import LOG_KEYS, Announcer, Record, Removed, Stored
+from engine_hook.announce import LOG_KEYS, Announcer, Cleared, Record, Removed, Stored
 from engine_hook.vllm import to_vllm_event
 from store import KVFormat, Namespace, PutItem, Store, StoreConfig, TierConfig
 from store.config import GiB, MiB
@@ -58,9 +59,14 @@ def hashes(seed: int, n: int) -> list[int]:
     return [rng.getrandbits(64) for _ in range(n)]
 
 
-def announcer(s: Store, ns_ids: set[bytes] | None = None, **kw: Any) -> Announcer:
+def announcer(s: Store, ns_ids: set[bytes] | None = None, first: bool = True, **kw: Any) -> Announcer:
+    """An engine's announcer on ``s``; with ``first``, its first step taken (it says that the
+    engine holds nothing: AllBlocksCleared)."""
     ours = (lambda nid: True) if ns_ids is None else ns_ids.__contains__
-    return Announcer(s, ours, BS, 256, **{"poll_s": 0.0, "write_s": 0.0, **kw})
+    a = Announcer(s, ours, BS, 256, **{"poll_s": 0.0, "write_s": 0.0, "reannounce_delay_s": 0.0, **kw})
+    if first:
+        assert wire(a.take()) == [AllBlocksCleared()]
+    return a
 
 
 def save_chain(a: Announcer, ns: Namespace, toks: list[int], seed: int, lora: str | None = None) -> list[bytes]:
@@ -197,12 +203,19 @@ def test_a_restarted_engine_reannounces_roots_first_in_bounded_batches(store: St
     a.take()
     store.evict(chains[4])  # gone while no engine listened (the log says so, nobody reads it)
     # a new engine: only its own namespaces, four chunks per step
-    b = announcer(store, {NS.ns_id}, batch=4)
-    assert b.reannouncing
+    now = [0.0]
+    b = announcer(store, {NS.ns_id}, first=False, batch=4, reannounce_delay_s=3.0, clock=lambda: now[0])
+    # subscribers of the previous run reconnect meanwhile; the engine steps without requests
+    assert b.reannouncing and b.pending() and b.take() == [Cleared()]  # the engine holds nothing yet
+    assert b.take() == []
+    now[0] = 3.0
     steps = []
     while b.reannouncing:
         steps.append(b.take())
         assert len(steps) < 20
+    # said again, for subscribers that were not back at the first step
+    assert isinstance(steps[0][0], Cleared)
+    steps[0] = steps[0][1:]
     assert all(len(s) <= 4 for s in steps)
     got = [e for s in steps for e in s]
     assert all(isinstance(e, Stored) for e in got)
