@@ -73,6 +73,7 @@ def _ns_json(store: Store, ns: Namespace, rec: Recorded | None = None) -> dict[s
 
 def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     explain = arg(args, "explain", bool, False)
+    want_tokens = arg(args, "token_ids", bool, False)  # for lookup --router: the router hashes them itself
     given = filters_of(args)
     if args.get("doc") is None and given:
         # a filter picks chunks of many prompts (and of every namespace it admits): they make
@@ -82,7 +83,7 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         raise UsageError(f"lookup answers for one prompt: give its document (--text, --file, --tokens or "
                          f"--messages) with {flags}; to count the chunks it picks per model and adapter, "
                          "run lmctl inspect with the same selectors")
-    sel = select(store, {k: v for k, v in args.items() if k != "explain"})
+    sel = select(store, {k: v for k, v in args.items() if k not in ("explain", "token_ids")})
     why: dict[str, Any] | None = None
     if explain and not sel.namespaces:
         raise UsageError("--explain needs a document (--text, --file, --tokens or --messages): the reason "
@@ -115,7 +116,7 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         assert t is not None
         per_tier[t] = per_tier.get(t, 0) + 1
     hit_tokens = hit * size if size else 0
-    out = {
+    out: dict[str, Any] = {
         "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
         "first_miss": hit_tokens if hit < len(keys) else None,  # null: every full chunk hits
         "tiers": per_tier, "namespace": namespace,
@@ -123,6 +124,8 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     }
     if explain:
         out["explain"] = why
+    if want_tokens:
+        out["token_ids"] = sel.token_ids
     return out
 
 

@@ -34,7 +34,8 @@ from .index import Index, Txn
 
 #: event kinds and the name of each one's counter family
 METRICS = {"evict": "evictions_total", "corrupt": "corrupt_total", "save-dropped": "saves_dropped_total",
-           "pin": "pins_total", "unpin": "unpins_total", "remote-copy": "remote_copies_total"}
+           "pin": "pins_total", "unpin": "unpins_total", "remote-copy": "remote_copies_total",
+           "announce": "announced_total"}
 KINDS = tuple(METRICS)
 #: chunks the log names per event, on average at most (an eviction may name many)
 KEYS_PER_EVENT = 16
@@ -171,6 +172,23 @@ class EventLog:
             return 0
         with self.index.read() as t:
             return t.counter("event_seq")
+
+    def keys_of(self, seq: int) -> list[bytes]:
+        """The chunks event ``seq`` names (empty once the log dropped it), in key order."""
+        db = self.index.events
+        out: list[bytes] = []
+        if not self.index.has_events:
+            return out
+        lo = _ref_row(seq)
+        with self.index.read() as t:
+            cur = t.raw.cursor(db=db)
+            if cur.set_range(lo):
+                for k in cur.iternext(values=False):
+                    k = bytes(k)
+                    if not k.startswith(lo):
+                        break
+                    out.append(k[len(lo):])
+        return out
 
     def latest(self, keys: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         """The latest event that names each of ``keys`` (where the log still has one)."""

@@ -647,6 +647,7 @@ class Index:
         # has none of them; ``has_events``/``has_counts`` say so, and every reader checks
         (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
+        (self.announce,), self.has_announce = self._later_dbs(b"announce")
 
     def _later_dbs(self, *names: bytes) -> tuple[list[Any], bool]:
         """Open sub-databases a writable open creates; read-only, missing ones stand in as

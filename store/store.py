@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .announce import Announcements
 from .codec import CODEC_NAMES, Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
@@ -192,6 +193,7 @@ class Store:
         self._absolute_tier_paths()
         # events are written by whatever transaction makes the change they describe
         self._events = EventLog(self._index, lambda: self.config.event_log_max)
+        self._announce = Announcements(self._index)
         if not readonly:
             self._index.event_log = self._events
         self.codec = Codec(self.config.codec_level)
@@ -1093,6 +1095,43 @@ class Store:
         if bad:
             raise StoreError(f"unknown event kind(s) {', '.join(bad)}; kinds are {', '.join(EVENT_KINDS)}")
         return self._events.recent(since, kinds, limit, after)
+
+    def event_keys(self, seq: int) -> list[bytes]:
+        """The chunks event ``seq`` names, all of them (an event's ``key`` is only the first),
+        as far as the log's bound kept them; empty once the event was dropped."""
+        return self._events.keys_of(seq)
+
+    def announced(self, note: Sequence[tuple[bytes, int, bytes]] = (), forget: Sequence[bytes] = (),
+                  log: Mapping[str, Sequence[bytes]] | None = None, detail: str = "",
+                  counts: Mapping[str, int] | None = None) -> None:
+        """What an engine announced to routers, in one write transaction: keep the records of
+        ``note`` (``(chunk key, chain position, record)``, for its re-announce after a
+        restart: store/announce.py), drop those of ``forget``, and log one ``announce`` event
+        per reason of ``log`` (``stored``, ``removed``, ``reannounced`` -> the chunks), which
+        ``lmctl events --kind announce`` shows; ``counts``: how many chunks each reason's
+        event counts, when not as many as it names. Nothing when the store cannot be written."""
+        logged = {r: list(k) for r, k in (log or {}).items() if k}
+        if not (note or forget or logged) or not self._announce.usable():
+            return
+
+        def fn(t: Txn) -> None:
+            if note:
+                self._announce.note(t, note)
+            if forget:
+                self._announce.forget(t, forget)
+            for reason, keys in logged.items():
+                t.event("announce", reason, keys, chunks=(counts or {}).get(reason, len(keys)), detail=detail)
+
+        self._index.write(fn)
+
+    def announcements(self, after: bytes | None = None, limit: int = 256) -> list[tuple[bytes, int, bytes, bytes]]:
+        """A page of announcement records, chain roots first: ``(row, position, chunk key,
+        record)``; pass the last row as ``after`` for the next page."""
+        return self._announce.page(after, limit)
+
+    def announcement_of(self, keys: Sequence[bytes]) -> dict[bytes, tuple[int, bytes]]:
+        """The chain position and announcement record of each of ``keys`` that has one."""
+        return self._announce.get(keys)
 
     def last_event_seq(self) -> int:
         """The ``seq`` of the newest event ever logged (0: none): a follower of the log asks

@@ -14,7 +14,7 @@ from test_daemon import OTHER, TOKENS, Daemon, cj, cli, fill, tokens_file
 MAPS = {"tiers", "store.tiers", "settings.tiers", "labels", "queues", "chunk.layout", "chunks[].layout",
         "evicts", "left.reasons",
         *(f"counters.{name}" for name in ("evictions_total", "corrupt_total", "saves_dropped_total", "pins_total",
-                                          "unpins_total", "remote_copies_total"))}
+                                          "unpins_total", "remote_copies_total", "announced_total"))}
 
 
 #: documented JSON that another test checks (it needs a redis-server)
