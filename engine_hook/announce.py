@@ -63,6 +63,9 @@ WRITE_S = 5.0
 #: chunks an ``announce`` event names, at most (it counts them all)
 LOG_KEYS = 64
 REMOVAL_KINDS = ("evict", "corrupt", "save-dropped")
+#: the log's kinds the announcer reads: removals, and copies to the remote tier (``lmctl drain``),
+#: announced as held there too
+LOG_KINDS = (*REMOVAL_KINDS, "remote-copy")
 
 BlockHash = int | bytes
 
@@ -350,11 +353,12 @@ class Announcer:
 
     def _poll_removals(self) -> None:
         top = self.store.last_event_seq()  # first: an event logged meanwhile is read next time
-        evs = self.store.events(after=self._after, kinds=REMOVAL_KINDS, limit=EVENTS_PER_POLL)
+        evs = self.store.events(after=self._after, kinds=LOG_KINDS, limit=EVENTS_PER_POLL)
         if not evs:
             self._after = max(self._after, top)
             return
         keys: list[bytes] = []
+        copied: list[bytes] = []
         for ev in evs:
             seq = int(ev.get("seq", 0))
             self._after = max(self._after, seq)
@@ -366,7 +370,9 @@ class Announcer:
                     named = [bytes.fromhex(ev["key"])]
                 except ValueError:
                     named = []
-            keys.extend(named)
+            (copied if ev.get("kind") == "remote-copy" else keys).extend(named)
+        if copied:
+            self._copied_remote(list(dict.fromkeys(copied)))
         if not keys:
             return
         for k in keys:
@@ -375,6 +381,16 @@ class Announcer:
         recs = self._records(keys)
         still = self.store.locate(list(recs), remote=False)  # saved again since: not gone
         self._removed([k for k, t in zip(recs, still, strict=True) if t is None], recs)
+
+    def _copied_remote(self, keys: list[bytes]) -> None:
+        """Chunks copied to the shared remote tier (``lmctl drain``, before a scale-down): held
+        there too, so routers may send their prefixes to any instance of the fleet."""
+        recs = self._records(keys)
+        remote = TIER_MEDIUM["remote"]
+        for key in keys:
+            rec = self._record(recs.get(key))
+            if rec is not None and remote not in self._media.get(key, set()):
+                self._emit(key, rec.stored("remote"), "stored")
 
     def _removed(self, keys: Sequence[bytes], recs: dict[bytes, tuple[int, bytes]]) -> None:
         for key in keys:

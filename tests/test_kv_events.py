@@ -195,6 +195,27 @@ def test_a_promoted_chunk_is_announced_in_its_new_tier(store: Store) -> None:
     assert sorted(e.medium for e in got) == [MEDIUM_CPU, MEDIUM_STORAGE]
 
 
+def test_chunks_a_drain_copied_to_the_remote_tier_are_announced_there_too(store: Store) -> None:
+    """``lmctl drain`` (another process) logs the chunks it copied to the shared tier: routers
+    learn that they are held remotely as well, once, beside the local copy."""
+    a = announcer(store)
+    keys = save_chain(a, NS, tokens(9), seed=9)
+    put(store, keys)
+    a.take()
+    store.log_remote_copies(keys[:2], 2 * FMT.chunk_bytes)  # as the daemon's drain does, per batch
+    assert a.pending()
+    got = wire(a.take())
+    h = hashes(9, 6)
+    assert [(type(e), e.medium, e.locality, e.block_hashes) for e in got] == [
+        (BlockStored, MEDIUM_STORAGE, "REMOTE", h[0:2]), (BlockStored, MEDIUM_STORAGE, "REMOTE", h[2:4])]
+    assert got[1].parent_block_hash == h[1] and got[1].token_ids == tokens(9)[256:512]
+    store.log_remote_copies(keys[:1], FMT.chunk_bytes)  # copied again: nothing new to say
+    assert a.take() == []
+    store.evict(keys[:1])  # the local copy leaves: removed from both media it was announced in
+    got = wire(a.take())
+    assert sorted((e.medium, e.locality) for e in got) == [(MEDIUM_STORAGE, "LOCAL"), (MEDIUM_STORAGE, "REMOTE")]
+
+
 def test_a_restarted_engine_reannounces_roots_first_in_bounded_batches(store: Store) -> None:
     a = announcer(store)
     chains = [save_chain(a, NS, tokens(10 + i), seed=10 + i, lora="civil" if i % 2 else None) for i in range(5)]
