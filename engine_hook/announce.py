@@ -187,7 +187,9 @@ class Announcer:
         self._media: OrderedDict[bytes, set[tuple[str, str]]] = OrderedDict()
         # saves announced when planned, not yet seen in the store: key -> (when, tier announced)
         self._verify: OrderedDict[bytes, tuple[float, str]] = OrderedDict()
-        self._recheck: OrderedDict[bytes, None] = OrderedDict()  # loaded chunks: promoted?
+        # loaded chunks: promoted? With what to announce them by, for chunks this engine did not
+        # save (another instance saved them to the shared tier, a replacement warmed them)
+        self._recheck: OrderedDict[bytes, tuple[int, Record] | None] = OrderedDict()
         self._note: dict[bytes, tuple[int, bytes]] = {}  # records not written yet: key -> (position, record)
         self._log: dict[str, list[bytes]] = {}  # reason -> the first LOG_KEYS chunks
         self._logged: dict[str, int] = {}  # reason -> chunks
@@ -219,10 +221,18 @@ class Announcer:
         while len(self._verify) > self.map_limit:
             self._verify.popitem(last=False)
 
-    def loaded(self, keys: Sequence[bytes]) -> None:
-        """Chunks were loaded (a hit promotes): check their tier at the next step."""
-        for k in keys:
-            self._recheck[k] = None
+    def loaded(self, keys: Sequence[bytes], records: Sequence[tuple[int, Record] | None] | None = None) -> None:
+        """Chunks were loaded (a hit promotes): check their tier at the next step. ``records``
+        (chain position, what to announce), one per key where the scheduler could build it:
+        a chunk the store holds no record of (saved by another instance into the shared tier,
+        warmed by ``lmctl warm``, saved while events were off) is announced by it, where it
+        is, and recorded for the re-announce after a restart."""
+        for i, k in enumerate(keys):
+            offered = records[i] if records is not None and i < len(records) else None
+            if offered is not None and (len(offered[1].block_hashes) != self.chunk_size // self.block_size
+                                        or len(offered[1].token_ids) != self.chunk_size):
+                offered = None
+            self._recheck[k] = offered or self._recheck.get(k)
         while len(self._recheck) > self.map_limit:
             self._recheck.popitem(last=False)
 
@@ -325,8 +335,7 @@ class Announcer:
         promoted to a faster tier: announced there."""
         now = self.clock()
         keys = list(self._verify)[:256] + [k for k in list(self._recheck)[:256] if k not in self._verify]
-        for k in keys:
-            self._recheck.pop(k, None)
+        offered = {k: o for k in keys if (o := self._recheck.pop(k, None)) is not None}
         if not keys:
             return
         tiers = self.store.locate(keys, remote=False)
@@ -347,6 +356,9 @@ class Announcer:
             recs = self._records([k for k, _t in moved] + lost)
             for key, tier in moved:
                 rec = self._record(recs.get(key))
+                if rec is None and key in offered:  # never announced by any engine: by the scheduler's
+                    pos, rec = offered[key]
+                    self._note[key] = (pos, rec.encode())
                 if rec is not None:
                     self._emit(key, rec.stored(tier), "stored")
             self._removed(lost, recs)

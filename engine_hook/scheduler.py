@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_shared
 
-from .announce import Announcer, BlockHash
+from .announce import Announcer, BlockHash, Record
 from .identity import AdapterCache
 from .ops import LoadOp, SaveOp
 from .policy import LoadPolicy
@@ -255,17 +255,25 @@ class LMCtlConnectorScheduler:
     def _announce(self, st: _Req, c: int, key: bytes) -> None:
         """Announce chunk ``c``'s save to routers, by the engine's hashes of its blocks."""
         assert self.announcer is not None
+        rec = self._record(st, c)
+        if rec is not None:
+            self.announcer.saving(key, c, rec.block_hashes, rec.parent_block_hash, rec.token_ids, rec.lora_name)
+
+    def _record(self, st: _Req, c: int) -> Record | None:
+        """What to announce chunk ``c`` of a request by: the engine's hashes of its blocks, its
+        tokens and adapter (None where the engine did not hash those blocks)."""
         cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
         bpc = cs // bs
         hashes = st.block_hashes
         try:
-            if hashes is None or len(hashes) < (c + 1) * bpc:
-                return
+            if hashes is None or len(hashes) < (c + 1) * bpc or len(st.prompt) < (c + 1) * cs:
+                return None
             ours = [self.convert_hash(h) for h in hashes[c * bpc : (c + 1) * bpc]]
             parent = self.convert_hash(hashes[c * bpc - 1]) if c else None
-            self.announcer.saving(key, c, ours, parent, st.prompt[c * cs : (c + 1) * cs], st.lora_name)
+            return Record(ours, parent, list(st.prompt[c * cs : (c + 1) * cs]), bs, st.lora_name)
         except Exception as exc:  # events are hints: a failure costs only the event
-            log.warning("lmctl: KV event for a saved chunk not built: %s", exc)
+            log.warning("lmctl: KV event for chunk %d not built: %s", c, exc)
+            return None
 
     def _prefixes(self, st: _Req) -> list[bytes]:
         """The prefix ids of a request's chunks (one pass over its prompt, at its first save):
@@ -296,7 +304,9 @@ class LMCtlConnectorScheduler:
             blocks.append(row)
         loads.append(LoadOp(req_id, keys, blocks))
         if self.announcer is not None:
-            self.announcer.loaded(keys)
+            recs = [self._record(st, c) for c in range(first, last + 1)]
+            self.announcer.loaded(keys, [None if r is None else (c, r)
+                                         for c, r in zip(range(first, last + 1), recs, strict=True)])
 
     def _observe_step(self, so: SchedulerOutput) -> None:
         """Note the prompt tokens this step computes; ``step_done`` times it (the engine's

@@ -216,6 +216,32 @@ def test_chunks_a_drain_copied_to_the_remote_tier_are_announced_there_too(store:
     assert sorted((e.medium, e.locality) for e in got) == [(MEDIUM_STORAGE, "LOCAL"), (MEDIUM_STORAGE, "REMOTE")]
 
 
+def test_a_loaded_chunk_no_engine_announced_is_announced_by_the_loader_and_recorded(store: Store) -> None:
+    """Chunks another instance saved into the shared tier, or `lmctl warm` brought in, have no
+    record here: the engine that loads them announces them where they are, by its own hashes,
+    and keeps the record for its re-announce after a restart."""
+    toks = tokens(11)
+    keys = NS.chunk_keys(toks)
+    put(store, keys)  # in the store, announced by no engine
+    a = announcer(store)
+    a.loaded(keys)  # without a description: nothing to announce them by
+    assert a.take() == []
+    h = hashes(11, 6)
+    recs = [(c, Record(h[2 * c : 2 * c + 2], h[2 * c - 1] if c else None, toks[256 * c : 256 * (c + 1)], BS,
+                       "civil")) for c in range(3)]
+    a.loaded(keys, recs)
+    got = wire(a.take())
+    assert [(type(e), e.block_hashes, e.lora_name, e.medium) for e in got] == [
+        (BlockStored, h[2 * c : 2 * c + 2], "civil", MEDIUM_STORAGE) for c in range(3)]
+    a.loaded(keys, recs)
+    assert a.take() == []  # once
+    a.flush()
+    assert set(store.announcement_of(keys)) == set(keys)  # re-announced after a restart
+    got = wire(announcer(store, first=False).take())  # a restart: cleared, then what the store holds
+    assert isinstance(got[0], AllBlocksCleared)
+    assert [e.block_hashes for e in got if isinstance(e, BlockStored)] == [h[0:2], h[2:4], h[4:6]]
+
+
 def test_a_restarted_engine_reannounces_roots_first_in_bounded_batches(store: Store) -> None:
     a = announcer(store)
     chains = [save_chain(a, NS, tokens(10 + i), seed=10 + i, lora="civil" if i % 2 else None) for i in range(5)]
