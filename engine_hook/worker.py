@@ -57,6 +57,9 @@ class LMCtlConnectorWorker:
         self._load_pool: StagingPool | None = None  # the loader's own
         self._writer: ChunkWriter | None = None
         self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-load")
+        # reads ahead of the loaders' copies (one per loader: each keeps at most one in flight)
+        self._reader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-read")
+        self.read_ahead = True
         self._lock = threading.Lock()
         self._local = threading.local()
         self._inflight: dict[str, Future[set[int]]] = {}
@@ -75,7 +78,7 @@ class LMCtlConnectorWorker:
         self._paged = PagedKV(layers, ctx.kv_format, ctx.block_size, ctx.settings.kv_layout)
         cuda = self._paged.device.type == "cuda"
         self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2, pinned=cuda)
-        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS, pinned=cuda)
+        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, 2 * LOADERS, pinned=cuda)
         self._writer = ChunkWriter(self.store, self._pool, self.recorder)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
@@ -97,21 +100,41 @@ class LMCtlConnectorWorker:
     def _load(self, op: LoadOp, received: float) -> set[int]:
         """Load one request's chunks in order; the first that fails ends the load. Returns
         its blocks and every later chunk's, for recomputing. ``received``: when the worker
-        was given the load (its wait is measured from there)."""
+        was given the load (its wait is measured from there).
+
+        With ``read_ahead`` and a second staging buffer free, the next chunk is read (on a
+        reader thread) while this one is copied into the engine's blocks."""
         assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
         done = 0
-        buf = None
+        bufs: list[torch.Tensor] = []
+        pending: Future[Any] | None = None
         why = "missing"
         t0 = time.perf_counter()
+
+        def read(i: int) -> Any:
+            return self.store.get_into(op.keys[i], bufs[i % len(bufs)].numpy().data, expect=fmt.chunk_bytes)
+
         try:
-            buf = self._load_pool.acquire(wait=True)
-            assert buf is not None
-            chunk = chunk_tensor(buf, fmt)
+            first = self._load_pool.acquire(wait=True)
+            assert first is not None
+            bufs.append(first)
+            if self.read_ahead and len(op.keys) > 1:
+                second = self._load_pool.acquire()
+                if second is not None:
+                    bufs.append(second)
+            ahead = len(bufs) > 1
             stream = self._stream()
-            for key, blocks in zip(op.keys, op.blocks, strict=True):
+            if ahead:
+                pending = self._reader.submit(read, 0)
+            for i, blocks in enumerate(op.blocks):
+                key = op.keys[i]
                 t = time.perf_counter()
-                info = self.store.get_into(key, buf.numpy().data, expect=fmt.chunk_bytes)
+                if pending is not None:
+                    fut, pending = pending, None
+                    info = fut.result()
+                else:
+                    info = read(i)
                 if info is None:
                     break  # missing, or failed its checks (the store dropped and counted it)
                 if info.raw_bytes != fmt.chunk_bytes:
@@ -120,6 +143,9 @@ class LMCtlConnectorWorker:
                     log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
                                 op.req_id, key.hex()[:16], info.raw_bytes, fmt.chunk_bytes)
                     break
+                if ahead and i + 1 < len(op.keys):
+                    pending = self._reader.submit(read, i + 1)  # into the other buffer
+                chunk = chunk_tensor(bufs[i % len(bufs)], fmt)
                 if stream is None:
                     self._paged.scatter(chunk, blocks)
                 else:  # on a side stream, so the engine's own stream never waits for it
@@ -138,8 +164,13 @@ class LMCtlConnectorWorker:
             key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
             log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
-            if buf is not None:
-                self._load_pool.release(buf)
+            if pending is not None:  # a read ahead of a chunk not needed: let it land first
+                try:
+                    pending.result()
+                except Exception:
+                    pass
+            for b in bufs:
+                self._load_pool.release(b)
             with self._lock:
                 self.load_s += time.perf_counter() - t0
         failed: set[int] = set()
@@ -267,6 +298,7 @@ class LMCtlConnectorWorker:
         """Finish the loads in flight, write what is queued and let go of the store (safe to
         call more than once)."""
         self._loader.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

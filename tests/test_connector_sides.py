@@ -95,6 +95,49 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
     assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
 
 
+def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's load reads chunk i+1 (on a reader thread, into a second staging buffer)
+    while chunk i is copied into the engine's blocks; a miss ends it with both buffers back."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    assert worker._paged is not None and worker._load_pool is not None
+    log_: list[tuple[str, str, float]] = []
+    real_get, real_scatter = worker.store.get_into, worker._paged.scatter
+
+    def get_into(*args: Any, **kw: Any) -> Any:
+        log_.append(("read", threading.current_thread().name, time.monotonic()))
+        time.sleep(0.05)
+        return real_get(*args, **kw)
+
+    def scatter(*args: Any, **kw: Any) -> Any:
+        log_.append(("copy", threading.current_thread().name, time.monotonic()))
+        time.sleep(0.2)
+        real_scatter(*args, **kw)
+        log_.append(("copied", threading.current_thread().name, time.monotonic()))
+
+    monkeypatch.setattr(worker.store, "get_into", get_into)
+    monkeypatch.setattr(worker._paged, "scatter", scatter)
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    finish(worker, "r2")
+    assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+    steps = [s for s, _, _ in log_]
+    assert steps == ["read", "copy", "read", "copied", "copy", "copied"], steps  # the 2nd read during the 1st copy
+    assert all(name.startswith("lmctl-read") for s, name, _ in log_ if s == "read")
+    # a miss in the middle: the load ends there, the read ahead lands, both buffers go back
+    missing = Namespace("m", FMT).chunk_keys(list(range(1000, 1000 + 3 * FMT.chunk_size)))
+    worker.load([LoadOp("r3", [keys[0], missing[1], keys[1]], [[8, 9], [10, 11], [12, 13]])])
+    finish(worker, "r3")
+    assert worker.take_load_errors() == {10, 11, 12, 13}
+    assert same_blocks(caches, [8, 9], [0, 1])
+    assert worker._load_pool._free.qsize() == len(worker._load_pool._backing)
+    worker.read_ahead = False  # one buffer, one thread: the same result
+    worker.load([LoadOp("r4", keys, [[8, 9], [10, 11]])])
+    finish(worker, "r4")
+    assert same_blocks(caches, [8, 9, 10, 11], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+
+
 @pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
 def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
         worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
