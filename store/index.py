@@ -601,7 +601,12 @@ class Txn:
 class Index:
     """The LMDB environment of a store and its sub-databases."""
 
-    def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None]) -> None:
+    def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None], *,
+                 event_log_max: Callable[[], int] | None = None, readonly_reason: str | None = None) -> None:
+        """Open the environment at ``path``. ``remove_files`` removes the segment files a
+        commit forgot; ``event_log_max`` bounds the event log ``Txn.event`` writes to (None:
+        the index keeps none, e.g. an index opened on its own); ``readonly_reason`` says why
+        an index opened ``readonly`` is (default: it was asked to be)."""
         self.path = path
         self.readonly = readonly
         self.remove_files = remove_files
@@ -620,7 +625,7 @@ class Index:
             except (OSError, AttributeError):
                 pass
         #: why nothing can be written (None: it can): an open read-only, or the filesystem refused
-        self.readonly_reason: str | None = "the store was opened read-only" if readonly else None
+        self.readonly_reason: str | None = (readonly_reason or "the store was opened read-only") if readonly else None
         try:
             self.env = self._open()
         except lmdb.Error as exc:
@@ -631,8 +636,13 @@ class Index:
                              "damaged, stop every process that uses the store and move that folder aside: the "
                              "next open rebuilds it from the segment files and the metadata journal") from None
         self._open_dbs()
-        #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
+        #: what ``Txn.event`` writes to (see store/events.py); the log and the index it lives
+        #: in are made together, so neither is wired to the other afterwards
         self.event_log: EventLog | None = None
+        if event_log_max is not None:
+            from .events import EventLog  # events.py builds on this module
+
+            self.event_log = EventLog(self, event_log_max)
 
     def _open_dbs(self) -> None:
         self.meta = self.env.open_db(b"meta")

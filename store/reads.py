@@ -98,7 +98,7 @@ class Reads:
 
     def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
                  codec: Callable[[], Codec], forget_segment: Callable[[TierState, int], object],
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, before_flush: Sequence[Callable[[Meter], None]] = ()) -> None:
         self.index = index
         self.tiers = tiers
         self._config = config
@@ -116,7 +116,7 @@ class Reads:
         self._flushed = threading.Condition(lock)  # notified when a timed flush ends
         self._stopped = False  # the store is closing: no more timed flushes
         #: called at the start of every flush (to add what others count, e.g. the remote tier's calls)
-        self.before_flush: list[Callable[[Meter], None]] = []
+        self.before_flush: tuple[Callable[[Meter], None], ...] = tuple(before_flush)
 
     # -- the index only ----------------------------------------------------------------
     def info(self, key: bytes) -> ChunkInfo | None:
@@ -475,7 +475,7 @@ class Reads:
 
     def _collect(self) -> None:
         """Have the ``before_flush`` hooks add what others counted to the meter."""
-        for hook in list(self.before_flush):
+        for hook in self.before_flush:
             try:
                 hook(self.meter)
             except Exception:  # a metric source must never stop the access log

@@ -67,7 +67,7 @@ class Recovery:
     """Seals, forgets, removes, checks, recounts and rebuilds."""
 
     def __init__(self, index: Index, space: Space, path: str, lock: threading.RLock,
-                 store_id: str | None = None) -> None:
+                 store_id: str | None = None, *, rebooted: bool = False) -> None:
         self.index = index
         self.space = space
         self.tiers = space.tiers
@@ -76,7 +76,7 @@ class Recovery:
         #: this store's id (None: a store of an earlier version, opened read-only)
         self.store_id = store_id
         #: the machine rebooted since the store was last opened for writing (its tmpfs is new)
-        self.rebooted = False
+        self.rebooted = rebooted
 
     # -- tier folders --------------------------------------------------------------------
     def mark_tiers(self, segs: list[tuple[int, SegmentRecord]]) -> None:

@@ -40,7 +40,7 @@ from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
 from .explain import explain_miss
-from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
+from .index import FORMAT_VERSION, FORMATS, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import KEY_BYTES, Namespace, NamespaceRecord, prefix_ids, short_key
@@ -125,8 +125,7 @@ class Store:
             if readonly or not fallback_readonly or not is_read_only(exc):
                 raise
             log.error("store %s: %s; opening it read-only: hits are served, saves refused", path, exc)
-            self._start(path, None, True)
-            self._index.readonly_reason = "its filesystem is read-only"
+            self._start(path, None, True, "its filesystem is read-only")
 
     @property
     def readonly(self) -> bool:
@@ -138,7 +137,8 @@ class Store:
         """Why nothing can be written (None: it can)."""
         return self._index.readonly_reason if self._index.readonly else None
 
-    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool) -> None:
+    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool,
+               readonly_reason: str | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
         #: chunks ``put_many`` refused because the store is read-only (this process's, in memory:
         #: a read-only index cannot count them)
@@ -160,7 +160,10 @@ class Store:
         check_file(os.path.join(self.path, "meta.journal"), "metadata journal", written=not readonly)
         self._tiers: dict[str, TierState] = {}
         self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
-        self._index = Index(index, readonly, self._remove_files)
+        # events are written by whatever transaction makes the change they describe: the index
+        # makes the log it writes them to (store/events.py)
+        self._index = Index(index, readonly, self._remove_files, event_log_max=lambda: self.config.event_log_max,
+                            readonly_reason=readonly_reason)
         try:
             self._open(config)
         except BaseException:
@@ -190,10 +193,9 @@ class Store:
                 config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
         self._absolute_tier_paths()
-        # events are written by whatever transaction makes the change they describe
-        self._events = EventLog(self._index, lambda: self.config.event_log_max)
-        if not readonly:
-            self._index.event_log = self._events
+        events = self._index.event_log
+        assert events is not None  # asked for above
+        self._events: EventLog = events
         self.codec = Codec(self.config.codec_level)
         for name in TIER_ORDER:
             if name in self.config.tiers:
@@ -211,17 +213,19 @@ class Store:
         self._pins = Pins(self._index, self._tiers, cfg, self._journal_add)
         self._compactor = Compactor(self._index, self._space, cfg, self._lock)
         self._evictor = Evictor(self._index, self._space, self._compactor, self._ns, cfg, self._lock)
-        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id)
-        # the access log has a lock of its own: a hit never waits for a write holding the store's
-        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
-                            threading.RLock())
-        self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
+        # a boot id recorded before recovery is built: whether the machine rebooted since the
+        # last writable open tells recovery that a tmpfs tier is new, not lost
+        rebooted = False if readonly else self._note_boot()
+        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted)
         self._sharing: Sharing | None = None
         self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
-        self._reads.before_flush.append(self._meter_remote)
+        # the access log has a lock of its own: a hit never waits for a write holding the store's
+        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
+                            threading.RLock(), before_flush=(self._meter_remote,))
+        self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
+                              remote=lambda: self._sharing)
         self._share(self.config)
-        self._set_spill()
         self._promote_lock = threading.Lock()
         self._promoting: set[bytes] = set()
         self._promoter: ThreadPoolExecutor | None = None
@@ -232,14 +236,13 @@ class Store:
                             "they were open to other users: %s", len(fixed), self.path,
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
-            self._recovery.rebooted = self._note_boot()
             if self.format_version() < FORMAT_VERSION:
                 self._recovery.build_counts()  # before anything changes an entry
             self.recover()
             if restore is not None or (self._index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
-                self._evictor.make_room(name, 0)
+                self._writes.make_room(name, 0)
             # what the open wrote (settings, salt key, boot id, restored pins) survives a power cut
             self._index.sync()
         else:
@@ -321,8 +324,7 @@ class Store:
                 self._remote_refused = str(exc)
         if old is not None:
             old.close()
-        self._sharing = new
-        self._writes.on_stored = new.push if new is not None and new.cfg.write == "always" else None
+        self._sharing = new  # what the write path pushes to (``Writes``'s ``remote``)
 
     #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
     _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
@@ -408,22 +410,6 @@ class Store:
             except RuntimeError:  # shutting down
                 return
             self._promoting.add(key)
-
-    def _set_spill(self) -> None:
-        """Eviction spills to the next tier down where there is one: dram to nvme, and the last
-        local tier to the remote tier when its write policy is ``evict``."""
-        remote_evict = self._sharing is not None and self._sharing.cfg.write == "evict"
-        self._evictor.spill = self._spill if remote_evict or {"dram", "nvme"} <= set(self._tiers) else None
-        self._evictor.spill_moves = lambda tier: tier == "dram" and "nvme" in self._tiers
-
-    def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
-        if tier == "dram" and "nvme" in self._tiers:
-            moved = self._writes.rewrite([k for k, _e in victims], tier="nvme").chunks
-            if moved:
-                log.debug("demoted %d chunk(s) from dram to nvme", moved)
-            return
-        if self._sharing is not None and self._sharing.cfg.write == "evict":
-            self._sharing.push_entries(victims, self._reads.stored_bytes)
 
     # -- settings ------------------------------------------------------------------------
     def _note_boot(self) -> bool:
@@ -548,7 +534,8 @@ class Store:
             for name in self._tiers:
                 if name not in config.tiers:  # removed: it holds nothing
                     continue
-                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark)
+                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark,
+                                                    self._writes.spill_moves(name))
                 below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
                 out[name] = (victims, below[0] if moves and below else None)
         return out
@@ -604,9 +591,8 @@ class Store:
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
                 self._index.write(lambda t: self._events.trim(t))
             self._share(config, sharing)  # before making room: a smaller tier spills as the new settings say
-            self._set_spill()
             for name in self._tiers:
-                self._evictor.make_room(name, 0)
+                self._writes.make_room(name, 0)
 
     @staticmethod
     def _check_empty(t: Txn, name: str, config: StoreConfig) -> None:
@@ -911,7 +897,7 @@ class Store:
         for name, st in self._tiers.items():
             if self._space.used(name) > high_watermark * st.cfg.capacity:
                 with self._lock:
-                    out.evicted += self._evictor.make_room(name, 0, trim=True)
+                    out.evicted += self._writes.make_room(name, 0, trim=True)
         out.segments_forgotten = sum(p.kind == "missing-segment" for p in self.forget_missing_segments())
         try:
             self.compact_journal()

@@ -24,7 +24,7 @@ from .index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
 from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
 from .segment import encode_trailer, record_len
-from .sharing import Stored
+from .sharing import Sharing, Stored
 from .space import Slot, Space, TierState
 from .types import PutItem, RewriteResult
 
@@ -60,7 +60,10 @@ class Writes:
     """The write path of one store."""
 
     def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
-                 config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock) -> None:
+                 config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
+                 remote: Callable[[], Sharing | None] = lambda: None) -> None:
+        """``remote``: the remote tier as it is now (None: none), which takes the chunks a
+        put stores (write ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
         self.space = space
         self.evictor = evictor
@@ -68,8 +71,7 @@ class Writes:
         self._config = config
         self._codec = codec
         self.lock = lock
-        #: told about the chunks a put_many stored (the remote tier's write-through)
-        self.on_stored: Callable[[list[Stored]], object] | None = None
+        self._remote = remote
         #: tier -> when (monotonic) saves try it again: its disk refused the last batch
         self._refused_until: dict[str, float] = {}
 
@@ -132,7 +134,7 @@ class Writes:
         with self.lock:
             needs = [(p.item.key, p.rec_len) for p in prepared]
             try:
-                self.evictor.make_room(st.name, sum(n for _k, n in needs))
+                self.make_room(st.name, sum(n for _k, n in needs))
                 plan = self.space.reserve(st, needs, replacing=set(replace or ()))
             except OSError as exc:  # a new segment file could not be made
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -183,12 +185,13 @@ class Writes:
                 raise
             if self._config().fsync:  # an acknowledged put survives a power cut that comes SYNC_SOON_S later
                 self.index.sync_soon()
-        if share and replace is None and self.on_stored is not None:
+        remote = self._remote() if share and replace is None else None
+        if remote is not None and remote.cfg.write == "always":  # the remote tier's write-through
             shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)
                                     for i, p, _seg, _off, csum in done if results[i]]
             if shared:
-                self.on_stored(shared)
+                remote.push(shared)
         return results
 
     def _write_records(self, st: TierState, prepared: list[_Prepared],
@@ -260,6 +263,45 @@ class Writes:
         except StoreError:
             pass  # another trouble of the index: the segment's error is the one to report
         return None
+
+    # -- making room: eviction, and where its victims go -------------------------------
+    def _spills(self) -> bool:
+        """Whether evicted chunks go somewhere first: dram to nvme, and the last local tier to
+        the remote tier when its write policy is ``evict``."""
+        remote = self._remote()
+        return (remote is not None and remote.cfg.write == "evict") or {"dram", "nvme"} <= set(self.space.tiers)
+
+    def spill_moves(self, tier: str) -> bool:
+        """Whether chunks evicted from ``tier`` move to another local tier (keeping them)."""
+        return tier == "dram" and "nvme" in self.space.tiers and self._spills()
+
+    def make_room(self, tier: str, incoming: int, trim: bool = False) -> int:
+        """Evict until ``incoming`` more bytes fit in ``tier`` (``Evictor``); returns the
+        chunks evicted. Where victims spill, the evictor decides (``choose``), they are moved
+        here (the write path's own ``rewrite``, or a push to the remote tier), and the evictor
+        drops what is still where it was (``finish``): the evictor never calls back."""
+        if not self._spills():
+            return self.evictor.make_room(tier, incoming, trim)
+        room = self.evictor.choose(tier, incoming, trim, self.spill_moves(tier))
+        if room is None:
+            return 0
+        if room.victims:
+            try:
+                self._spill(tier, room.ordered())
+            except (StoreError, OSError) as exc:  # the next tier is full or failing: evict
+                log.warning("could not move %d chunk(s) out of tier %s (%s); evicting them", len(room.victims),
+                            tier, exc)
+        return self.evictor.finish(room)
+
+    def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
+        if tier == "dram" and "nvme" in self.space.tiers:
+            moved = self.rewrite([k for k, _e in victims], tier="nvme").chunks
+            if moved:
+                log.debug("demoted %d chunk(s) from dram to nvme", moved)
+            return
+        remote = self._remote()
+        if remote is not None and remote.cfg.write == "evict":
+            remote.push_entries(victims, self.reads.stored_bytes)
 
     # -- rewriting ---------------------------------------------------------------------
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,
