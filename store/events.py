@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,7 +71,7 @@ class EventLog:
         named = list(dict.fromkeys(bytes(k) for k in keys))[:key_bound]
         count = int(fields.pop("chunks", len(keys)))
         seq = t.add("event_seq", 1)
-        doc: dict[str, Any] = {"seq": seq, "time": round(time.time(), 6), "kind": kind, "reason": reason,
+        doc: dict[str, Any] = {"seq": seq, "time": round(self.index.clock.time(), 6), "kind": kind, "reason": reason,
                                "chunks": count}
         doc.update((k, v) for k, v in fields.items() if v is not None and v != "")
         if named:

@@ -57,7 +57,6 @@ import logging
 import os
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexReopened, IndexWriteError, ReadOnlyError, StoreError, is_read_only
@@ -530,7 +530,7 @@ class Txn:
         lk = label_key(label, key)
         if self.raw.get(lk, db=self.index.labels) is not None:
             return False
-        self.raw.put(lk, _BE64.pack(int(time.time())), db=self.index.labels)
+        self.raw.put(lk, _BE64.pack(int(self.index.clock.time())), db=self.index.labels)
         self.raw.put(key + label, b"", db=self.index.keylabels)
         self._bump_u64(label_keys_key(label), 1)
         refs, reserved = self.pin(key)
@@ -602,12 +602,15 @@ class Index:
     """The LMDB environment of a store and its sub-databases."""
 
     def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None], *,
-                 event_log_max: Callable[[], int] | None = None, readonly_reason: str | None = None) -> None:
+                 event_log_max: Callable[[], int] | None = None, readonly_reason: str | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         """Open the environment at ``path``. ``remove_files`` removes the segment files a
         commit forgot; ``event_log_max`` bounds the event log ``Txn.event`` writes to (None:
         the index keeps none, e.g. an index opened on its own); ``readonly_reason`` says why
-        an index opened ``readonly`` is (default: it was asked to be)."""
+        an index opened ``readonly`` is (default: it was asked to be); ``clock``: what
+        pin times and event times are read from."""
         self.path = path
+        self.clock = clock
         self.readonly = readonly
         self.remove_files = remove_files
         self._pid = os.getpid()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .errors import StoreError
 from .index import Index, Txn
 from .keys import Namespace, NamespaceRecord
@@ -25,8 +25,10 @@ log = logging.getLogger("lmctl.store")
 class Namespaces:
     """The ``namespaces`` sub-database and the store's salt key."""
 
-    def __init__(self, index: Index, path: str, journal_add: Callable[..., None]) -> None:
+    def __init__(self, index: Index, path: str, journal_add: Callable[..., None],
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock
         self.path = path
         self._journal_add = journal_add
         self.salt_key: bytes | None = None
@@ -80,7 +82,7 @@ class Namespaces:
     def register(self, ns: Namespace, info: dict[str, Any] | None = None) -> bytes:
         """Record ``ns`` (and facts such as the tokenizer source); see ``Store.register_namespace``."""
         doc: dict[str, Any] = {"namespace": ns.record(self.salt_digest(ns.cache_salt)), "info": info or {},
-                               "updated": time.time()}
+                               "updated": self.clock.time()}
 
         def fn(t: Txn) -> bool:
             old = t.raw.get(ns.ns_id, db=self.index.ns)
@@ -141,6 +143,6 @@ class Namespaces:
         for (model, fp), updated in last.items():
             if model not in current or updated > current[model][0]:
                 current[model] = (updated, fp)
-        cutoff = time.time() - retire_after_s
+        cutoff = self.clock.time() - retire_after_s
         return {nid for (model, fp), updated in last.items() if fp != current[model][1] and updated < cutoff
                 for nid in owners[(model, fp)]}

@@ -15,10 +15,10 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, max_encoded
 from .config import TIER_NAMES, StoreConfig
 from .errors import CorruptEntry, IndexReopened, StoreError
@@ -98,8 +98,10 @@ class Reads:
 
     def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
                  codec: Callable[[], Codec], forget_segment: Callable[[TierState, int], object],
-                 lock: threading.RLock, before_flush: Sequence[Callable[[Meter], None]] = ()) -> None:
+                 lock: threading.RLock, before_flush: Sequence[Callable[[Meter], None]] = (),
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock  # access times, and when the access log is due
         self.tiers = tiers
         self._config = config
         self._codec = codec
@@ -108,9 +110,9 @@ class Reads:
         self._access: dict[bytes, tuple[float, int]] = {}
         self._chunk_bytes: dict[bytes, int] = {}  # namespace id -> its chunk's raw bytes (read_bound)
         self._counts = {"hits": 0, "misses": 0}
-        self._last_flush = time.monotonic()
+        self._last_flush = clock.monotonic()
         #: this process's pending metric deltas (store/metrics.py), written with the access log
-        self.meter = Meter()
+        self.meter = Meter(clock)
         self._timer: threading.Timer | None = None
         self._flushing = False  # a timed flush is under way (at most one: it may be stalled by the disk)
         self._flushed = threading.Condition(lock)  # notified when a timed flush ends
@@ -426,7 +428,7 @@ class Reads:
         with self.lock:
             prev = self._access.get(key)
             if prev is not None or len(self._access) < MAX_PENDING:
-                self._access[key] = (time.time(), (prev[1] if prev else 0) + 1)
+                self._access[key] = (self.clock.time(), (prev[1] if prev else 0) + 1)
             self._counts["hits"] += 1
             self._schedule()
 
@@ -442,7 +444,7 @@ class Reads:
         waiting or running (hold ``self.lock``)."""
         if self._timer is not None or self._flushing or self._stopped or self.index.closed:
             return
-        wait = max(0.0, self._config().access_flush_s - (time.monotonic() - self._last_flush))
+        wait = max(0.0, self._config().access_flush_s - (self.clock.monotonic() - self._last_flush))
         self._timer = threading.Timer(wait, self._timed_flush)
         self._timer.daemon = True
         self._timer.start()
@@ -492,7 +494,7 @@ class Reads:
         with self.lock:
             pending, self._access = self._access, {}
             counts, self._counts = self._counts, {"hits": 0, "misses": 0}
-            self._last_flush = time.monotonic()
+            self._last_flush = self.clock.monotonic()
             metric_counts, metric_hists = self.meter.take()
             gauges = self.meter.take_gauges()
         if self.index.readonly or (not pending and not any(counts.values()) and not metric_counts
@@ -530,7 +532,7 @@ class Reads:
         pending values included."""
         rows = dict(self._meta_rows(GAUGE_PREFIX))
         put_gauges(rows.__setitem__, self.meter.peek()[2])
-        return parse_gauges(sorted(rows.items()), max_age_s)
+        return parse_gauges(sorted(rows.items()), max_age_s, self.clock.time())
 
     def _meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         with self.index.read() as t:

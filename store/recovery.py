@@ -17,10 +17,10 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import StoreError
@@ -67,8 +67,9 @@ class Recovery:
     """Seals, forgets, removes, checks, recounts and rebuilds."""
 
     def __init__(self, index: Index, space: Space, path: str, lock: threading.RLock,
-                 store_id: str | None = None, *, rebooted: bool = False) -> None:
+                 store_id: str | None = None, *, rebooted: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock
         self.space = space
         self.tiers = space.tiers
         self.path = path
@@ -660,11 +661,11 @@ class Recovery:
     def build_counts(self) -> None:
         """A store of format 1 (no ``counts``, no ``keylabels``): build both from the entries
         and the labels, once, and mark the index as format 2."""
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         self.recount(True)
         self.index.write(lambda t: t.raw.put(b"format_version", str(FORMAT_VERSION).encode(), db=self.index.meta))
         log.info("store %s: built the per-namespace and per-label counts of format %d in %.1f s", self.path,
-                 FORMAT_VERSION, time.monotonic() - t0)
+                 FORMAT_VERSION, self.clock.monotonic() - t0)
 
     # -- after a lost index ----------------------------------------------------------------
     def rebuild_index(self) -> int:
@@ -694,7 +695,7 @@ class Recovery:
                        recs: list[Any] = recs) -> int:
                     n = 0
                     if t.segment(sid) is None:
-                        t.put_segment(sid, SegmentRecord(st.tid, SEG_SEALED, 0, size, 0, 0, time.time()))
+                        t.put_segment(sid, SegmentRecord(st.tid, SEG_SEALED, 0, size, 0, 0, self.clock.time()))
                         t.add(f"used:{st.name}", size)
                     if t.counter("next_segment") < sid:
                         t.set_counter("next_segment", sid)

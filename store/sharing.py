@@ -14,10 +14,10 @@ import hashlib
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import RemoteConfig
 from .errors import StoreError
@@ -61,7 +61,8 @@ class Sharing:
     """The remote tier of one store."""
 
     def __init__(self, cfg: RemoteConfig, codec: Callable[[], Codec],
-                 put_local: Callable[[list[PutItem]], list[bool]], writer: int = 0) -> None:
+                 put_local: Callable[[list[PutItem]], list[bool]], writer: int = 0,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         from .remote import RemoteTier, redacted
 
         self.cfg = cfg
@@ -74,7 +75,7 @@ class Sharing:
                                            previous_secret_file=cfg.previous_secret_file, encrypt=cfg.encrypt,
                                            trust=cfg.trust, writer=writer, piece_bytes=cfg.piece_bytes,
                                            lookup_timeout_s=cfg.lookup_timeout_s, io_timeout_s=cfg.io_timeout_s,
-                                           password_file=cfg.password_file)
+                                           password_file=cfg.password_file, clock=clock)
 
     # -- lookups ---------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], tiers: list[str | None]) -> list[str | None]:
@@ -129,7 +130,7 @@ class Sharing:
             except StoreError as exc:  # verified bytes that do not decode: a trusted writer's bug, a miss
                 self.tier.count_foreign(key, f"it does not decode: {exc}")
                 return None
-        origin = Origin("remote", m.writer, time.time())
+        origin = Origin("remote", m.writer, self.tier.clock.time())
         if self.cfg.promote:
             try:
                 item = PutItem(key, memoryview(data)[: m.raw_len], m.layout, m.tokens, "raw", origin=origin)

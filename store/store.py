@@ -27,11 +27,11 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
@@ -101,7 +101,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
                  readonly: bool = False, fallback_readonly: bool = False,
-                 tier_paths: Mapping[str, str] | None = None) -> None:
+                 tier_paths: Mapping[str, str] | None = None, clock: Clock | None = None) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
@@ -117,8 +117,14 @@ class Store:
         A tier folder recorded as a relative path (an older lmctl kept ``--tier-path`` as
         typed) would be found from each process's working folder: the store is refused with a
         line that says so, unless ``tier_paths`` ({tier: absolute folder}) names that tier's
-        folder, which is then recorded instead."""
+        folder, which is then recorded instead.
+
+        ``clock`` (store/clock.py; default: the machine's) is what every part reads the time
+        from: access, creation, pin and event times, ages, retry deadlines. Tests pass a
+        ``ManualClock`` and move it instead of sleeping."""
         self._tier_paths = dict(tier_paths or {})
+        #: what the store's parts read the time from
+        self.clock: Clock = clock or SYSTEM_CLOCK
         try:
             self._start(path, config, readonly)
         except Exception as exc:
@@ -163,7 +169,7 @@ class Store:
         # events are written by whatever transaction makes the change they describe: the index
         # makes the log it writes them to (store/events.py)
         self._index = Index(index, readonly, self._remove_files, event_log_max=lambda: self.config.event_log_max,
-                            readonly_reason=readonly_reason)
+                            readonly_reason=readonly_reason, clock=self.clock)
         try:
             self._open(config)
         except BaseException:
@@ -207,8 +213,8 @@ class Store:
         def codec() -> Codec:
             return self.codec
 
-        self._space = Space(self._index, self._tiers, cfg, self._journal_add, self._lock)
-        self._ns = Namespaces(self._index, self.path, self._journal_add)
+        self._space = Space(self._index, self._tiers, cfg, self._journal_add, self._lock, self.clock)
+        self._ns = Namespaces(self._index, self.path, self._journal_add, self.clock)
         self._ns.load_salt_key(None if restore is None else restore["salt_key"])
         self._pins = Pins(self._index, self._tiers, cfg, self._journal_add)
         self._compactor = Compactor(self._index, self._space, cfg, self._lock)
@@ -216,15 +222,16 @@ class Store:
         # a boot id recorded before recovery is built: whether the machine rebooted since the
         # last writable open tells recovery that a tmpfs tier is new, not lost
         rebooted = False if readonly else self._note_boot()
-        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted)
+        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted,
+                                  clock=self.clock)
         self._sharing: Sharing | None = None
         self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
         # the access log has a lock of its own: a hit never waits for a write holding the store's
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
-                            threading.RLock(), before_flush=(self._meter_remote,))
+                            threading.RLock(), before_flush=(self._meter_remote,), clock=self.clock)
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
-                              remote=lambda: self._sharing)
+                              remote=lambda: self._sharing, clock=self.clock)
         self._share(self.config)
         self._promote_lock = threading.Lock()
         self._promoting: set[bytes] = set()
@@ -306,7 +313,7 @@ class Store:
                 _check_put(it)
             return self._writes.put_many(items, share=False)
 
-        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path))
+        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path), self.clock)
 
     def _share(self, config: StoreConfig, new: Sharing | None = None) -> None:
         """Open (or, when its settings changed, reopen) the remote tier of ``config`` (``new``:
@@ -432,7 +439,7 @@ class Store:
     def _add_tier(self, name: str, cfg: TierConfig | None = None) -> None:
         cfg = cfg or self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
-        io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id)
+        io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id, clock=self.clock)
         self._tiers[name] = TierState(name, TIER_IDS[name], cfg, io)
 
     def _load_config(self, config: StoreConfig | None) -> StoreConfig:
@@ -702,7 +709,7 @@ class Store:
         """
         for it in items:  # before anything is reserved or written: nothing of the batch then
             _check_put(it)
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         try:
             if self.readonly:
                 raise ReadOnlyError(f"{len(items)} chunk(s) not stored: {self.readonly_reason}")
@@ -717,7 +724,7 @@ class Store:
             m.inc("saves_total", n, tier=where)
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
-            m.observe("save_seconds", time.perf_counter() - t0, tier=where)
+            m.observe("save_seconds", self.clock.monotonic() - t0, tier=where)
             self._flush_if_due()
         return stored
 
@@ -828,7 +835,7 @@ class Store:
         view = memoryview(out).cast("B")
         if expect is not None and expect > len(view):
             raise StoreError(f"get_into: the buffer of {len(view)} bytes cannot take the {expect} expected")
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         info = self._reads.get_into(key, view, touch, expect)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
@@ -840,7 +847,7 @@ class Store:
             m = self._reads.meter
             m.inc("loads_total", 1, tier=info.tier)
             m.inc("load_bytes_total", info.raw_bytes, tier=info.tier)
-            m.observe("load_seconds", time.perf_counter() - t0, tier=info.tier)
+            m.observe("load_seconds", self.clock.monotonic() - t0, tier=info.tier)
         return info
 
     def flush(self) -> None:
@@ -929,7 +936,7 @@ class Store:
 
     def _compress_cold(self, batch: int = COLD_BATCH) -> int:
         """Compress up to ``batch`` raw chunks unread for ``compress_cold_after_s`` (oldest first)."""
-        before = time.time() - self.config.compress_cold_after_s
+        before = self.clock.time() - self.config.compress_cold_after_s
         done = 0
         for st in self._tiers.values():
             keys = self._reads.coldest(st.tid, before, codec_id("raw"), batch - done)

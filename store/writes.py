@@ -11,11 +11,11 @@ import errno
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_ORDER, StoreConfig
 from .errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
@@ -61,7 +61,7 @@ class Writes:
 
     def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
                  config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
-                 remote: Callable[[], Sharing | None] = lambda: None) -> None:
+                 remote: Callable[[], Sharing | None] = lambda: None, clock: Clock = SYSTEM_CLOCK) -> None:
         """``remote``: the remote tier as it is now (None: none), which takes the chunks a
         put stores (write ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
@@ -72,6 +72,7 @@ class Writes:
         self._codec = codec
         self.lock = lock
         self._remote = remote
+        self.clock = clock  # chunks' creation times, and when a refused tier is tried again
         #: tier -> when (monotonic) saves try it again: its disk refused the last batch
         self._refused_until: dict[str, float] = {}
 
@@ -94,7 +95,7 @@ class Writes:
             except (DiskFullError, ReadOnlyError) as exc:
                 if self.index.readonly or n == len(chain) - 1:
                     raise  # the index cannot be written, or no tier is left
-                self._refused_until[name] = time.monotonic() + SPILL_RETRY_S
+                self._refused_until[name] = self.clock.monotonic() + SPILL_RETRY_S
                 log.warning("%s; saves go to tier %s for %.0f s", exc, chain[n + 1], SPILL_RETRY_S)
                 continue
             if name != first:
@@ -109,7 +110,7 @@ class Writes:
         the local tiers after it; those whose disk refused a batch lately go last."""
         names = [n for n in TIER_ORDER if n in self.space.tiers]
         chain = names[names.index(first):] if first in names else [first]
-        now = time.monotonic()
+        now = self.clock.monotonic()
         fresh = [n for n in chain if self._refused_until.get(n, 0.0) <= now]
         return fresh + [n for n in chain if n not in fresh]
 
@@ -129,7 +130,8 @@ class Writes:
             cid = codec_id(it.codec or self._config().codec)
             raw = memoryview(it.data).cast("B")
             stored = codec.encode(cid, raw, itemsize, level)
-            prepared.append(_Prepared(it, layout, cid, raw, stored, record_len(len(memoryview(stored))), time.time()))
+            prepared.append(_Prepared(it, layout, cid, raw, stored, record_len(len(memoryview(stored))),
+                                      self.clock.time()))
 
         with self.lock:
             needs = [(p.item.key, p.rec_len) for p in prepared]

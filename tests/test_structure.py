@@ -171,3 +171,51 @@ def test_no_part_attribute_is_set_from_outside_while_the_store_works(outside_set
     with Store(tmp_path / "s") as s:
         assert s.get(keys[0]) is not None
     assert outside_sets == []
+
+
+# -- the clock: every part reads time from the clock it was given ------------------------------
+CLOCK_READS = {"time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns"}
+
+
+def clock_reads(source: str) -> list[str]:
+    """Where ``source`` reads the machine's clock itself (``time.time()``, ``time.monotonic()``,
+    ``from time import monotonic``...) instead of a ``Clock``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCK_READS
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "time"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and node.module == "time":
+            found += [f"line {node.lineno}: from time import {a.name}" for a in node.names if a.name in CLOCK_READS]
+    return found
+
+
+def test_the_clock_check_finds_a_direct_read() -> None:
+    planted = "import time\nfrom time import monotonic\nx = time.time()\ny = time.strftime('%Y')\n"
+    assert sorted(clock_reads(planted)) == ["line 2: from time import monotonic", "line 3: time.time()"]
+
+
+def test_the_store_reads_time_only_through_its_clock() -> None:
+    found = {name: hits for name, src in store_sources() if name != "clock.py" and (hits := clock_reads(src))}
+    assert found == {}
+
+
+def test_a_manual_clock_moves_only_when_told_and_the_store_reads_it(tmp_path: Path) -> None:
+    from conftest import SMALL_LAYOUT, key
+
+    from store import PutItem
+    from store.clock import ManualClock
+
+    clock = ManualClock(start=1_700_000_000.0)
+    assert (clock.time(), clock.monotonic()) == (1_700_000_000.0, 0.0)
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+    with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)}), clock=clock) as s:
+        s.put_many([PutItem(key(1), bytes(4096), SMALL_LAYOUT, 16)])
+        clock.advance(3600)
+        assert s.get(key(1)) is not None
+        s.flush()
+        s.pin("doc", [key(1)])
+        info = s.info(key(1))
+        assert info is not None and (info.created, info.last_access) == (1_700_000_000.0, 1_700_003_600.0)
+        assert [e["time"] for e in s.events(kinds=["pin"])] == [1_700_003_600.0]
