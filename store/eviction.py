@@ -174,13 +174,7 @@ class Evictor:
 
     def _lru_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of ``tier`` (all, with ``pinned_too``), least recently used first."""
-        cur = t.raw.cursor(db=self.index.lru)
-        prefix = bytes([tier])
-        if not cur.set_range(prefix):
-            return
-        for k in cur.iternext(values=False):
-            if k[:1] != prefix:
-                return
+        for k in t.keys("lru", bytes([tier])):
             key = lru_chunk(k)
             if pinned_too or not t.pinned(key):
                 yield key
@@ -188,12 +182,7 @@ class Evictor:
     def _retired_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of retired namespaces in ``tier``."""
         for nid in sorted(self.retired(t)):
-            cur = t.raw.cursor(db=self.index.chunks)
-            if not cur.set_range(nid):
-                continue
-            for k, v in cur:
-                if not bytes(k).startswith(nid):
-                    break
+            for k, v in t.rows("chunks", nid):
                 if v[ENTRY_TIER_OFFSET] != tier:
                     continue
                 key = bytes(k)
@@ -215,7 +204,7 @@ class Evictor:
                     continue
                 e = Entry.read(raw)
                 if e is None:  # a damaged entry: forget it (verify --fix recounts what it counted)
-                    t.raw.delete(key, db=self.index.chunks)
+                    t.delete("chunks", key)
                     t.forget_prefix(key)
                     n += 1
                     gone.append(key)

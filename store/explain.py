@@ -114,14 +114,10 @@ def holders(index: Index, prefix: bytes) -> list[bytes]:
     if not index.has_events:
         return out
     with index.read() as t:
-        cur = t.raw.cursor(db=index.prefixes)
-        if cur.set_range(lo):
-            for k, v in cur:
-                if not bytes(k).startswith(lo):
-                    break
-                key = bytes(v)
-                if t.entry_raw(key) is not None:
-                    out.append(key)
+        for _k, v in t.rows("prefixes", lo):
+            key = bytes(v)
+            if t.entry_raw(key) is not None:
+                out.append(key)
     return out
 
 

@@ -39,6 +39,7 @@ from .index import (
 )
 from .keys import DTYPE_SIZES, Namespace, NamespaceRecord, short_key
 from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
+from .schema import COUNT_LABEL, COUNT_LABEL_KEYS, COUNT_NS
 from .segment import CorruptRecord, RecordTrailer, SegmentGone
 from .space import TierState
 from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
@@ -154,12 +155,9 @@ class Reads:
         least recently used first (the LRU order; one read transaction)."""
         out: list[bytes] = []
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.lru)
-            if not cur.set_range(lru_key(tier, 0.0, b"")):
-                return out
             end = lru_key(tier, before, b"")
-            for k in cur.iternext(values=False):
-                if bytes(k) >= end or len(out) >= limit:
+            for k in t.keys("lru", bytes([tier]), start=lru_key(tier, 0.0, b"")):
+                if k >= end or len(out) >= limit:
                     break
                 key = lru_chunk(k)
                 raw = t.entry_raw(key)
@@ -186,16 +184,16 @@ class Reads:
         out = StoreCounts()
         if not self.index.has_counts:
             return self._count_by_scan(t)
-        for k, v in t.raw.cursor(db=self.index.counts):
+        for k, v in t.rows("counts"):
             kind = k[:1]
-            if kind == b"k":
+            if kind == COUNT_LABEL_KEYS:
                 out.label_keys[bytes(k[1:]).decode(errors="replace")] = int.from_bytes(v[:8], "little")
                 continue
             nid, tier = bytes(k[-17:-1]), TIER_NAMES.get(k[-1], str(k[-1]))
             c = Counts(*unpack_counts(v))
-            if kind == b"n":
+            if kind == COUNT_NS:
                 out.namespaces.setdefault(nid, {})[tier] = c
-            elif kind == b"l":
+            elif kind == COUNT_LABEL:
                 label = bytes(k[1:-18]).decode(errors="replace")
                 out.labels.setdefault(label, {}).setdefault(nid, {})[tier] = c
         return out
@@ -203,7 +201,7 @@ class Reads:
     def _count_by_scan(self, t: Txn) -> StoreCounts:
         """Counts taken from the entries (a format-1 store opened read-only keeps none)."""
         out = StoreCounts()
-        for k, v in t.raw.cursor(db=self.index.chunks):
+        for k, v in t.rows("chunks"):
             e = Entry.read(v)
             if e is None:
                 continue
@@ -211,8 +209,8 @@ class Reads:
             pinned = t.pinned(key)
             c = out.namespaces.setdefault(key[:16], {}).setdefault(e.tier_name, Counts())
             c.add(Counts(*entry_delta(e, pinned)))
-        for k in t.raw.cursor(db=self.index.labels).iternext(values=False):
-            label_b, _, key = bytes(k).partition(b"\0")
+        for k in t.keys("labels"):
+            label_b, _, key = k.partition(b"\0")
             label = label_b.decode(errors="replace")
             out.label_keys[label] = out.label_keys.get(label, 0) + 1
             e = t.entry(key)
@@ -233,19 +231,16 @@ class Reads:
             page: list[ChunkInfo] = []
             seen = 0
             with self.index.read() as t:
-                cur = t.raw.cursor(db=self.index.chunks)
-                if cur.set_range(start):
-                    for k, v in cur:
-                        key = bytes(k)
-                        if key == last:
-                            continue
-                        if not key.startswith(prefix) or seen >= PAGE:
-                            break
-                        seen += 1
-                        last = key
-                        e = Entry.read(v)
-                        if e is not None:
-                            page.append(chunk_info(key, e, t.pin(key)[0]))
+                for key, v in t.rows("chunks", start=start):
+                    if key == last:
+                        continue
+                    if not key.startswith(prefix) or seen >= PAGE:
+                        break
+                    seen += 1
+                    last = key
+                    e = Entry.read(v)
+                    if e is not None:
+                        page.append(chunk_info(key, e, t.pin(key)[0]))
             yield from page
             if seen < PAGE or last is None:
                 return
@@ -269,7 +264,7 @@ class Reads:
         if known is not None:
             return known
         with self.index.read() as t:
-            raw = t.raw.get(nid, db=self.index.ns)
+            raw = t.get("namespaces", nid)
         if raw is None:
             return None
         try:
@@ -507,10 +502,8 @@ class Reads:
             for k, v in counts.items():
                 if v:
                     t.add(k, v)
-            meta = self.index.meta
-            add_to_cells(lambda k: t.raw.get(k, db=meta), lambda k, v: t.raw.put(k, v, db=meta),
-                         metric_counts, metric_hists)
-            put_gauges(lambda k, v: t.raw.put(k, v, db=meta), gauges)
+            add_to_cells(lambda k: t.get("meta", k), lambda k, v: t.put("meta", k, v), metric_counts, metric_hists)
+            put_gauges(lambda k, v: t.put("meta", k, v), gauges)
 
         try:
             self.index.write(fn)
@@ -536,11 +529,4 @@ class Reads:
 
     def _meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.meta)
-            items = []
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not bytes(k).startswith(prefix):
-                        break
-                    items.append((bytes(k), bytes(v)))
-        return items
+            return list(t.rows("meta", prefix))

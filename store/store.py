@@ -64,6 +64,7 @@ from .private import (
 )
 from .reads import Reads
 from .recovery import Recovery
+from .schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
 from .segment import REC_FIXED, TRAILER_BLOCK, SegmentIO
 from .sharing import Sharing, writer_id
 from .space import Space, TierState
@@ -263,9 +264,8 @@ class Store:
         random id; a lost index gets the folder's back."""
         marker = os.path.join(self.path, STORE_MARKER)
         folder_id = marked_id(read_marker(marker))
-        meta = self._index.meta
         with self._index.read() as t:
-            raw = t.raw.get(b"store_id", db=meta)
+            raw = t.get("meta", META_STORE_ID)
         index_id = bytes(raw).decode() if raw is not None else None
         if folder_id is not None and index_id != folder_id and (index_id is not None or not fresh):
             index = os.path.join(self.path, "index")
@@ -276,11 +276,11 @@ class Store:
             return index_id or folder_id
 
         def claim(t: Txn) -> str:  # in one transaction: engines of one new store start at once
-            raw = t.raw.get(b"store_id", db=meta)
+            raw = t.get("meta", META_STORE_ID)
             if raw is not None:
                 return bytes(raw).decode()
             made = folder_id or new_store_id()
-            t.raw.put(b"store_id", made.encode(), db=meta)
+            t.put("meta", META_STORE_ID, made.encode())
             return made
 
         sid = self._index.write(claim)
@@ -426,12 +426,10 @@ class Store:
                 boot = f.read().strip()
         except OSError:
             return False
-        meta = self._index.meta
-
         def fn(t: Txn) -> bool:
-            old = t.raw.get(b"boot_id", db=meta)
+            old = t.get("meta", META_BOOT_ID)
             if old != boot:
-                t.raw.put(b"boot_id", boot, db=meta)
+                t.put("meta", META_BOOT_ID, boot)
             return old is not None and bytes(old) != boot
 
         return self._index.write(fn)
@@ -445,26 +443,25 @@ class Store:
     def _load_config(self, config: StoreConfig | None) -> StoreConfig:
         """The stored settings; ``config`` (or the defaults, for a new index) are written
         and journaled instead when given."""
-        meta = self._index.meta
         if self.readonly:
             with self._index.read() as t:
-                raw = t.raw.get(b"config", db=meta)
-                self._check_format(t.raw.get(b"format_version", db=meta))
+                raw = t.get("meta", META_CONFIG)
+                self._check_format(t.get("meta", META_FORMAT))
             return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
 
         def load(t: Txn) -> tuple[StoreConfig, bool]:
-            raw = t.raw.get(b"config", db=meta)
-            ver = t.raw.get(b"format_version", db=meta)
+            raw = t.get("meta", META_CONFIG)
+            ver = t.get("meta", META_FORMAT)
             self._check_format(ver)
             if ver is None:
                 # a new index is of this format; one with chunks but no mark is of the first
-                fresh = t.raw.stat(self._index.chunks)["entries"] == 0
-                t.raw.put(b"format_version", str(FORMAT_VERSION if fresh else 1).encode(), db=meta)
+                fresh = t.entries("chunks") == 0
+                t.put("meta", META_FORMAT, str(FORMAT_VERSION if fresh else 1).encode())
             if config is None and raw is not None:
                 return StoreConfig.from_json(bytes(raw)), False
             cfg = config or StoreConfig()
             cfg.validate()
-            t.raw.put(b"config", cfg.to_json().encode(), db=meta)
+            t.put("meta", META_CONFIG, cfg.to_json().encode())
             return cfg, True
 
         cfg, written = self._index.write(load)
@@ -488,7 +485,7 @@ class Store:
         cfg = StoreConfig.from_json(self.config.to_json())
         for n, p in given.items():
             cfg.tiers[n].path = p
-        self._index.write(lambda t: t.raw.put(b"config", cfg.to_json().encode(), db=self._index.meta), durable=True)
+        self._index.write(lambda t: t.put("meta", META_CONFIG, cfg.to_json().encode()), durable=True)
         self._journal_add("config", config=cfg.to_json())
         self.config = cfg
         log.warning("store %s: tier folder(s) recorded as relative paths are now recorded absolute: %s", self.path,
@@ -575,7 +572,7 @@ class Store:
                     for sid, seg in t.segments():
                         if seg.tier == TIER_IDS[name]:
                             t.drop_segment(name, sid, seg)
-                t.raw.put(b"config", config.to_json().encode(), db=self._index.meta)
+                t.put("meta", META_CONFIG, config.to_json().encode())
 
             for name in removed:  # its open segment closed first, so that its file goes too
                 self._space.drop_open(self._tiers[name])
@@ -615,17 +612,16 @@ class Store:
     def format_version(self) -> int:
         """The format of the index (1: written before the counts were kept)."""
         with self._index.read() as t:
-            ver = self._check_format(t.raw.get(b"format_version", db=self._index.meta))
+            ver = self._check_format(t.get("meta", META_FORMAT))
         return 1 if ver is None else ver
 
     def _index_is_new(self) -> bool:
         with self._index.read() as t:
-            return t.raw.get(b"config", db=self._index.meta) is None
+            return t.get("meta", META_CONFIG) is None
 
     def _index_is_empty(self) -> bool:
         with self._index.read() as t:
-            return (t.raw.stat(self._index.chunks)["entries"] == 0
-                    and t.raw.stat(self._index.segs)["entries"] == 0)
+            return t.entries("chunks") == 0 and t.entries("segs") == 0
 
     def _segment_files(self) -> bool:
         return any(st.io.segment_ids() for st in self._tiers.values())

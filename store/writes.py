@@ -23,6 +23,7 @@ from .eviction import Evictor
 from .index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
 from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
+from .schema import META_WRITE_PROBE
 from .segment import encode_trailer, record_len
 from .sharing import Sharing, Stored
 from .space import Slot, Space, TierState
@@ -259,7 +260,7 @@ class Writes:
         """After a segment write failed: whether the index is on a read-only filesystem now.
         A probe write finds out (and the store turns read-only: ``Index.went_read_only``)."""
         try:
-            self.index.write(lambda t: t.raw.put(b"write_probe", b"", db=self.index.meta))
+            self.index.write(lambda t: t.put("meta", META_WRITE_PROBE, b""))
         except ReadOnlyError as exc:
             return exc
         except StoreError:

@@ -219,3 +219,105 @@ def test_a_manual_clock_moves_only_when_told_and_the_store_reads_it(tmp_path: Pa
         info = s.info(key(1))
         assert info is not None and (info.created, info.last_access) == (1_700_000_000.0, 1_700_003_600.0)
         assert [e["time"] for e in s.events(kinds=["pin"])] == [1_700_003_600.0]
+
+
+# -- one door to LMDB: only the index opens it; every key is built from the schema -------------
+#: the modules that may touch LMDB itself
+LMDB_DOOR = {"index.py", "schema.py"}
+#: LMDB's transaction and cursor calls, reached through a transaction's ``raw``
+LMDB_CALLS = {"get", "put", "delete", "cursor", "stat", "drop", "replace", "pop", "open_db", "begin"}
+#: the Txn methods that take a sub-database's name, then a key
+ROW_CALLS = {"get", "put", "delete", "rows", "keys", "rows_newest_first"}
+
+
+def lmdb_uses(source: str) -> list[str]:
+    """Where ``source`` uses LMDB itself: imports it, calls a raw transaction's methods
+    (``t.raw.get(...)``), opens a cursor, or names a sub-database's handle (``db=``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lmdb" for a in node.names):
+            found.append(f"line {node.lineno}: import lmdb")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lmdb":
+            found.append(f"line {node.lineno}: from lmdb import")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            raw = isinstance(f.value, ast.Attribute) and f.value.attr in ("raw", "env") and f.attr in LMDB_CALLS
+            if raw or f.attr in ("cursor", "iternext", "set_range"):
+                found.append(f"line {node.lineno}: {ast.unparse(f)}(...)")
+            elif any(k.arg == "db" for k in node.keywords):
+                found.append(f"line {node.lineno}: {ast.unparse(f)}(..., db=...)")
+    return found
+
+
+def literal_keys(source: str) -> list[str]:
+    """Where ``source`` reads or writes a row of a named sub-database with a key (or key
+    prefix) written as a bytes literal instead of one declared in store/schema.py."""
+    from store.schema import DB_NAMES
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ROW_CALLS
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in DB_NAMES):
+            continue
+        for arg in [*node.args[1:2], *(k.value for k in node.keywords if k.arg in ("prefix", "start"))]:
+            if any(isinstance(c, ast.Constant) and isinstance(c.value, bytes) and c.value for c in ast.walk(arg)):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_lmdb_checks_find_a_raw_call_and_a_literal_key() -> None:
+    planted = (
+        "import lmdb\n"
+        "def f(t, index):\n"
+        "    t.raw.put(b'config', b'{}', db=index.meta)\n"
+        "    cur = t.raw.cursor(db=index.chunks)\n"
+        "    t.get('meta', b'boot_id')\n"
+        "    t.rows('events', b'e' + b'x')\n"
+        "    t.keys('labels', start=b'z')\n"
+        "    t.get('meta', META_BOOT_ID)\n"  # declared in the schema: fine
+        "    len(p.raw)\n"  # not LMDB
+    )
+    assert [f.split(":")[0] for f in lmdb_uses(planted)] == ["line 1", "line 3", "line 4"]
+    assert [f.split(":")[0] for f in literal_keys(planted)] == ["line 5", "line 6", "line 7"]
+
+
+def test_only_the_index_touches_lmdb() -> None:
+    """Raw LMDB calls outside store/index.py (and the schema): 0."""
+    found = {name: hits for name, src in store_sources() if name not in LMDB_DOOR and (hits := lmdb_uses(src))}
+    assert found == {}
+
+
+def test_every_key_the_parts_use_is_declared_in_the_schema() -> None:
+    found = {name: hits for name, src in store_sources() if name != "schema.py" and (hits := literal_keys(src))}
+    assert found == {}
+    # and the prefixes metrics and events write under are the schema's
+    from store import events, metrics, schema
+
+    assert (metrics.PREFIX, metrics.GAUGE_PREFIX) == (schema.METRIC_CELL, schema.METRIC_GAUGE)
+    assert events._event_row(7) == schema.event_row(7) and events._key_row(b"k") == schema.event_key_row(b"k")
+
+
+def test_txn_rows_stay_within_their_prefix_in_both_directions(tmp_path: Path) -> None:
+    from store.index import Index
+
+    idx = Index(str(tmp_path / "index"), False, lambda files: None)
+    try:
+        rows = {b"d\xff": b"1", b"e\x00": b"2", b"e\x01": b"3", b"e\xff\xff": b"4", b"f": b"5"}
+
+        def fill(t: Any) -> None:
+            for k, v in rows.items():
+                t.put("events", k, v)
+
+        idx.write(fill)
+        with idx.read() as t:
+            assert [k for k, _v in t.rows("events", b"e")] == [b"e\x00", b"e\x01", b"e\xff\xff"]
+            assert list(t.keys("events", b"e", start=b"e\x01")) == [b"e\x01", b"e\xff\xff"]
+            assert [k for k, _v in t.rows_newest_first("events", b"e")] == [b"e\xff\xff", b"e\x01", b"e\x00"]
+            assert [k for k, _v in t.rows_newest_first("events", b"e\xff")] == [b"e\xff\xff"]
+            assert list(t.rows_newest_first("events", b"g")) == []
+            assert t.entries("events") == 5 and t.get("events", b"f") == b"5" and t.get("events", b"x") is None
+        idx.write(lambda t: t.clear("events"))
+        with idx.read() as t:
+            assert t.entries("events") == 0
+    finally:
+        idx.close()
