@@ -307,13 +307,20 @@ class Store:
         old = self._sharing
         if config.remote is None or self.readonly or (old is not None and config.remote == old.cfg):
             return None
+        return Sharing(config.remote, lambda: self.codec, writer_id(self.path), self.clock)
 
-        def promote(items: list[PutItem]) -> list[bool]:
-            for it in items:  # a head's layout and tokens are the server's word: checked as a caller's
-                _check_put(it)
-            return self._writes.put_many(items, share=False)
-
-        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path), self.clock)
+    def _promote_remote(self, sharing: Sharing, info: ChunkInfo, data: Buffer) -> None:
+        """Store locally a chunk just read from the remote tier (when its settings say so):
+        the facade does it, so the remote tier never calls back into the write path."""
+        item = sharing.to_promote(info, data)
+        if item is None:
+            return
+        try:
+            _check_put(item)  # a head's layout and tokens are the server's word: checked as a caller's
+            if self._writes.put_many([item], share=False)[0]:
+                sharing.count_promoted()
+        except StoreError as exc:  # a full local disk: the read still succeeded
+            log.warning("could not promote remote chunk %s: %s", info.key[16:24].hex(), exc)
 
     def _share(self, config: StoreConfig, new: Sharing | None = None) -> None:
         """Open (or, when its settings changed, reopen) the remote tier of ``config`` (``new``:
@@ -811,6 +818,7 @@ class Store:
             got = sharing.fetch_into(key, None, expect=expect, limit=limit)
             if got is not None:
                 info, data = got
+                self._promote_remote(sharing, info, data)
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
         return chunk
 
@@ -839,6 +847,8 @@ class Store:
         if info is None and sharing is not None and touch:
             got = sharing.fetch_into(key, view, expect=expect, limit=len(view))
             info = None if got is None else got[0]
+            if got is not None:
+                self._promote_remote(sharing, *got)
         if info is not None and touch:
             m = self._reads.meter
             m.inc("loads_total", 1, tier=info.tier)

@@ -99,6 +99,17 @@ def test_the_evictor_takes_no_callback_and_never_calls_the_write_path() -> None:
     assert not called & {"spill", "rewrite", "put_many", "push_entries"}
 
 
+def test_the_remote_tier_never_calls_back_into_the_write_path() -> None:
+    """Nor the loop Writes -> Sharing (push) and Sharing -> Writes (promote a remote hit): the
+    facade stores what ``Sharing.to_promote`` gives it."""
+    from store.sharing import Sharing
+
+    assert list(inspect.signature(Sharing.__init__).parameters) == ["self", "cfg", "codec", "writer", "clock"]
+    tree = ast.parse((STORE / "sharing.py").read_text())
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not called & {"put_many", "rewrite", "make_room", "save"}
+
+
 # -- the same at run time: every assignment to a part's attribute comes from its own methods --
 def _part_classes() -> list[type]:
     from store.compaction import Compactor
