@@ -547,7 +547,7 @@ class Txn:
         if self.raw.get(lk, db=self.index.labels) is not None:
             return False
         self.raw.put(lk, _BE64.pack(int(self.index.clock.time())), db=self.index.labels)
-        self.raw.put(key + label, b"", db=self.index.keylabels)
+        self.raw.put(keylabel_key(key, label), b"", db=self.index.keylabels)
         self._bump_u64(label_keys_key(label), 1)
         refs, reserved = self.pin(key)
         e = self.entry(key)
@@ -567,7 +567,7 @@ class Txn:
         """Drop ``label``'s pin on ``key`` (False: it had none)."""
         if not self.raw.delete(label_key(label, key), db=self.index.labels):
             return False
-        self.raw.delete(key + label, db=self.index.keylabels)
+        self.raw.delete(keylabel_key(key, label), db=self.index.keylabels)
         self._bump_u64(label_keys_key(label), -1)
         e = self.entry(key)
         if e is not None:
