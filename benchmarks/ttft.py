@@ -14,6 +14,12 @@ off, so a warm request's prefix can only come from the store. For each prefix si
 
 Goal: warm <= 1/5 of recompute at 4k tokens.
 
+The floor (``--floor``, on by default): what a warm request cannot beat. vLLM's own prefix
+cache hit on the same prompt (an engine without the connector, its prefix cache on: the
+prefix computed once, then the same new questions; median), plus the time the store takes
+to read the prefix's bytes (``get_into`` of as many chunks, O_DIRECT, no copy into an
+engine; median over ``--repeats`` reads). Goal at 4k tokens: warm <= 1.5x the floor.
+
 Throughput on misses: batches of distinct prompts (nothing ever hits) through an engine
 without the connector and one with it (which saves every chunk), the two alternating
 round by round (off, on, off, on, ...; a fresh engine each round). Goal: with the connector
@@ -82,6 +88,49 @@ def throughput(eng: Engine, batch: list[list[int]], out_tokens: int) -> float:
     return (sum(len(t) for t in batch) + out_tokens * len(batch)) / dt
 
 
+def floor(model: Path, tok: Any, store_path: Path, sizes: list[int], repeats: int, result: dict[str, Any]) -> None:
+    """vLLM's own prefix-cache hit and the store's raw read of the same bytes, per size."""
+    from store import open_shared, release_shared
+    from store.segment import ALIGN
+
+    store = open_shared(store_path)
+    try:
+        infos = [i for i in store.iter_chunks() if i.tier != "remote"]
+        nbytes = max(i.raw_bytes for i in infos)
+        import numpy as np
+
+        raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)  # page-aligned, as the connector's staging buffers
+        skip = (-raw.ctypes.data) % ALIGN
+        buf = raw[skip : skip + nbytes].data
+        for size in sizes:
+            n = size // 256
+            times = []
+            for r in range(repeats):
+                keys = [i.key for i in infos[r * n % max(1, len(infos) - n) :][:n]]
+                t0 = time.perf_counter()
+                for k in keys:
+                    store.get_into(k, buf, touch=False)
+                times.append(time.perf_counter() - t0)
+            result["sizes"][str(size)]["raw_read_s"] = round(statistics.median(times), 4)
+    finally:
+        release_shared(store)
+    eng = Engine(model, None, max_model_len=min(8192, max(sizes) + 64), lora=False, prefix_caching=True)
+    try:
+        warm_up = text_tokens(tok, 512, 998)  # a prefix computed, then hit: both paths warmed up
+        for q in range(3):
+            ttft(eng, warm_up + text_tokens(tok, 16, 90 + q))
+        for size in sizes:
+            prefix = text_tokens(tok, size, 1000 * size + repeats - 1)  # the prefix the warm requests used
+            ttft(eng, prefix + text_tokens(tok, 16, 1))  # computed once: now in vLLM's prefix cache
+            hits = [ttft(eng, prefix + text_tokens(tok, 16, 100 + q))[0] for q in range(repeats)]
+            r = result["sizes"][str(size)]
+            r["prefix_hit_s"] = round(statistics.median(hits), 4)
+            r["floor_s"] = round(r["prefix_hit_s"] + r["raw_read_s"], 4)
+            r["warm_over_floor"] = round(r["warm_s"] / r["floor_s"], 3)
+    finally:
+        eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1024,4096,8000", help="prefix lengths (the model takes 8192 tokens)")
@@ -89,6 +138,10 @@ def main() -> None:
     ap.add_argument("--miss-prompts", type=int, default=6, help="prompts per throughput batch")
     ap.add_argument("--miss-tokens", type=int, default=1024, help="tokens per throughput prompt")
     ap.add_argument("--rounds", type=int, default=3, help="throughput batches per engine (median)")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="skip vLLM's own prefix-cache hit and the store's raw read of the same bytes")
+    ap.add_argument("--no-throughput", dest="throughput", action="store_false",
+                    help="skip the throughput and mixed-workload rounds")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--work", default=str(ROOT / ".cache"))
     args = ap.parse_args()
@@ -123,12 +176,14 @@ def main() -> None:
 
         result["connector"] = next(c for c in live_connectors() if c.role.name == "WORKER").stats()
         eng.close()
+        if args.floor:
+            floor(model, tok, tmp / "store", sizes, args.repeats, result)
 
         rounds: dict[str, list[float]] = {"off": [], "on": []}
         mixed: dict[str, list[float]] = {"off": [], "on": []}
         seed = 10**6
         doc = text_tokens(tok, 4096, 31337)
-        for _ in range(args.rounds):
+        for _ in range(args.rounds if args.throughput else 0):
             for mode in ("off", "on"):
                 eng = Engine(model, None if mode == "off" else tmp / "store-miss",
                              max_model_len=max(args.miss_tokens, len(doc)) + 64, lora=False)
@@ -148,12 +203,13 @@ def main() -> None:
                 mixed[mode].append(throughput(eng, batch, 16))
                 eng.flush()
                 eng.close()
-        off, on = statistics.median(rounds["off"]), statistics.median(rounds["on"])
-        result["miss_throughput"] = {"off_tok_s": round(off, 1), "on_tok_s": round(on, 1),
-                                     "ratio": round(on / off, 4), "rounds": rounds}
-        moff, mon = statistics.median(mixed["off"]), statistics.median(mixed["on"])
-        result["mixed_throughput"] = {"off_tok_s": round(moff, 1), "on_tok_s": round(mon, 1),
-                                      "ratio": round(mon / moff, 4), "rounds": mixed}
+        if args.throughput:
+            off, on = statistics.median(rounds["off"]), statistics.median(rounds["on"])
+            result["miss_throughput"] = {"off_tok_s": round(off, 1), "on_tok_s": round(on, 1),
+                                         "ratio": round(on / off, 4), "rounds": rounds}
+            moff, mon = statistics.median(mixed["off"]), statistics.median(mixed["on"])
+            result["mixed_throughput"] = {"off_tok_s": round(moff, 1), "on_tok_s": round(mon, 1),
+                                          "ratio": round(mon / moff, 4), "rounds": mixed}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -161,9 +217,19 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{'prefix':>8} {'recompute':>10} {'warm':>8} {'warm/recompute':>15} {'cached':>7}")
+    print(f"{'prefix':>8} {'recompute':>10} {'warm':>8} {'warm/recompute':>15} {'cached':>7}"
+          + (f" {'prefix hit':>11} {'raw read':>9} {'floor':>8} {'warm/floor':>11}" if args.floor else ""))
     for size, r in result["sizes"].items():
-        print(f"{size:>8} {r['recompute_s']:9.3f}s {r['warm_s']:7.3f}s {r['ratio']:15.3f} {r['cached_tokens']:7}")
+        line = f"{size:>8} {r['recompute_s']:9.3f}s {r['warm_s']:7.3f}s {r['ratio']:15.3f} {r['cached_tokens']:7}"
+        if "floor_s" in r:
+            line += (f" {r['prefix_hit_s']:10.3f}s {r['raw_read_s']:8.3f}s {r['floor_s']:7.3f}s "
+                     f"{r['warm_over_floor']:11.2f}")
+        print(line)
+    if args.floor and "4096" in result["sizes"]:
+        x = result["sizes"]["4096"]["warm_over_floor"]
+        print(f"goal warm <= 1.5x the floor at 4096 tokens: {x:.2f}x: {'met' if x <= 1.5 else 'NOT met'}")
+    if not args.throughput:
+        return
     m = result["miss_throughput"]
     print(f"misses: {m['on_tok_s']:.0f} tok/s with the connector, {m['off_tok_s']:.0f} without "
           f"(ratio {m['ratio']:.3f})")

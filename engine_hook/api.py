@@ -1,7 +1,8 @@
 """An engine-agnostic Python API: save a prompt's KV, load the longest cached prefix.
 
 For engines other than vLLM (and for tools and tests). KV tensors use the store's
-canonical layout ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``, one tensor-parallel
+canonical layout ``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` (for MLA, ``KVFormat(...,
+kv_planes=1)``: one latent plane, ``[layers, 1, tokens, 1, latent]``), one tensor-parallel
 rank's heads, in the KV format's dtype::
 
     from engine_hook import KVCacheClient
@@ -95,13 +96,14 @@ class KVCacheClient:
     def save(self, tokens: Sequence[int], kv: torch.Tensor, adapter: AdapterIdentity | None = None,
              cache_salt: str | None = None) -> int:
         """Queue the full chunks of ``tokens`` that the store lacks. ``kv`` holds at least
-        their KV, [layers, 2, tokens, kv_heads, head_dim]. Returns how many were queued;
+        their KV, [layers, planes, tokens, kv_heads, head_dim] (planes: 2, K and V; 1 for an MLA
+        latent). Returns how many were queued;
         chunks that find no free buffer are dropped (and counted), never waited for."""
         fmt = self.kv_format
-        want = (fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim)
+        want = (fmt.num_layers, fmt.kv_planes, fmt.num_kv_heads, fmt.head_dim)
         if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
-            raise StoreError(f"kv must be [layers, 2, tokens, kv_heads, head_dim] = "
-                             f"[{want[0]}, 2, T, {want[2]}, {want[3]}], got {list(kv.shape)}")
+            raise StoreError(f"kv must be [layers, planes, tokens, kv_heads, head_dim] = "
+                             f"[{want[0]}, {want[1]}, T, {want[2]}, {want[3]}], got {list(kv.shape)}")
         if kv.dtype != to_dtype(fmt.dtype):
             raise StoreError(f"kv dtype {kv.dtype} does not match the KV format's {fmt.dtype}")
         ns = self.namespace(adapter, cache_salt)
@@ -135,7 +137,7 @@ class KVCacheClient:
         if max_tokens is not None:
             n = min(n, max_tokens // fmt.chunk_size)
         cs = fmt.chunk_size
-        shape = (fmt.num_layers, 2, n * cs, fmt.num_kv_heads, fmt.head_dim)
+        shape = (fmt.num_layers, fmt.kv_planes, n * cs, fmt.num_kv_heads, fmt.head_dim)
         out = torch.empty(shape, dtype=to_dtype(fmt.dtype))
         buf = self.pool.acquire(wait=True)
         assert buf is not None

@@ -70,6 +70,7 @@ class ConnectorSettings:
     remote_previous_secret_file: str | None = None
     remote_encrypt: bool | None = None
     remote_trust: str | None = None
+    reannounce: bool = True
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -119,6 +120,9 @@ class ConnectorSettings:
                 raise StoreError(str(exc).replace("remote.", "remote_")) from None
         elif any(extra.get(k) is not None for k in ("remote_key_prefix", "remote_write", *_REMOTE_TRUST)):
             raise StoreError(f"remote_key_prefix, remote_write and {', '.join(_REMOTE_TRUST)} need remote_url")
+        reannounce = extra.get("reannounce", True)
+        if not isinstance(reannounce, bool):
+            raise StoreError(f"reannounce must be true or false, not {reannounce!r}")
         layout = extra.get("kv_layout")
         if layout is not None and layout not in LAYOUTS:
             raise StoreError(f"kv_layout must be one of {', '.join(LAYOUTS)}")
@@ -135,7 +139,7 @@ class ConnectorSettings:
             remote_encrypt=encrypt, remote_trust=extra.get("remote_trust") or None,
             dram_capacity=None if extra.get("dram_capacity") is None else parse_capacity(extra["dram_capacity"],
                                                                                          "dram_capacity"),
-            dram_path=extra.get("dram_path") or None,
+            dram_path=extra.get("dram_path") or None, reannounce=reannounce,
         )
 
     def fingerprint_mode(self) -> str:

@@ -34,22 +34,41 @@ def kv_format_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chun
         raise StoreError(f"lmctl supports models with one KV cache group (plain attention); this one has {len(groups)}")
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    from store.tensors import dtype_name
 
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec):
         raise StoreError(f"lmctl supports attention KV caches only, not {type(spec).__name__}")
     layers = list(groups[0].layer_names)
-    head_v = getattr(spec, "head_size_v", spec.head_size)
-    if head_v != spec.head_size or getattr(spec, "sliding_window", None):
-        raise StoreError("lmctl does not support attention with a different V head size or a sliding window yet")
+    fmt = kv_format_of_spec(spec, len(layers), int(vllm_config.parallel_config.tensor_parallel_size),
+                            tp_rank, chunk_size)
     block_size = int(spec.block_size)
-    fmt = KVFormat(
-        dtype=dtype_name(spec.dtype), num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads),
-        head_dim=int(spec.head_size), tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        tp_rank=tp_rank, chunk_size=chunk_size,
-    )
     return fmt, layers, block_size
+
+
+def kv_format_of_spec(spec: Any, num_layers: int, tp_size: int, tp_rank: int, chunk_size: int) -> KVFormat:
+    """The store's KV format for one vLLM attention spec: K and V planes of ``head_size``
+    each, or (MLA: ``head_size_v`` 0) one latent plane of ``head_size``. Anything whose
+    bytes are not plain tensors of the spec's dtype (packed or quantized states, pages of
+    several tokens per state) or whose K and V differ in width is refused."""
+    from store.tensors import dtype_name
+
+    if getattr(spec, "sliding_window", None):
+        raise StoreError("lmctl does not support sliding-window attention yet")
+    packed = (getattr(spec, "state_content_bytes", None) is not None
+              or getattr(spec, "num_head_slots", None) is not None
+              or getattr(spec, "tokens_per_state", 1) != 1
+              or str(getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")) != "NONE")
+    if packed:
+        raise StoreError(f"lmctl does not support packed or quantized KV states ({type(spec).__name__})")
+    head, head_v = int(spec.head_size), int(getattr(spec, "head_size_v", spec.head_size))
+    if head_v == 0:
+        planes = 1  # MLA: one latent per token, no V
+    elif head_v == head:
+        planes = 2
+    else:
+        raise StoreError(f"lmctl does not support a V head size ({head_v}) other than the K head size ({head})")
+    return KVFormat(dtype=dtype_name(spec.dtype), num_layers=num_layers, num_kv_heads=int(spec.num_kv_heads),
+                    head_dim=head, tp_size=tp_size, tp_rank=tp_rank, chunk_size=chunk_size, kv_planes=planes)
 
 
 def _served_name(vllm_config: VllmConfig) -> str:

@@ -14,10 +14,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_shared
 
+from .announce import Announcer, BlockHash
 from .identity import AdapterCache
 from .ops import LoadOp, SaveOp
 from .policy import LoadPolicy
@@ -74,6 +75,8 @@ class _Req:
     load_pending: bool = False     # blocks allocated, the load not sent to the workers yet
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0             # first chunk index not yet considered for saving
+    block_hashes: Any = None       # vLLM's hashes of the request's blocks (KV events name blocks by them)
+    lora_name: str | None = None
 
 
 class LMCtlConnectorScheduler:
@@ -101,6 +104,9 @@ class LMCtlConnectorScheduler:
         self.hit_tokens = 0
         self.skipped_tokens = 0  # stored tokens the policy chose to recompute
         self.recorder = StatsRecorder()  # figures for vLLM's metrics, since the last step's report
+        #: KV events for routers (``engine_hook.announce``), when vLLM publishes them
+        self.announcer: Announcer | None = None
+        self.convert_hash: Callable[[Any], BlockHash] = bytes
 
     def _namespace(self, request: Request, kv_format: KVFormat) -> Namespace:
         lora = getattr(request, "lora_request", None)
@@ -139,6 +145,10 @@ class LMCtlConnectorScheduler:
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
         st = _Req(ns, found.keys, [t is not None for t in found.tiers], prompt)
+        if self.announcer is not None:
+            st.block_hashes = getattr(request, "block_hashes", None)
+            lora = getattr(request, "lora_request", None)
+            st.lora_name = None if lora is None else str(lora.lora_name)
         self._reqs[request.request_id] = st
         self.lookups += 1
         self.store.count_lookup(ns, min(found.hit_tokens, len(prompt)), len(prompt))
@@ -239,6 +249,23 @@ class LMCtlConnectorScheduler:
             prefixes = self._prefixes(st)
             saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc],
                                 prefixes[c] if c < len(prefixes) else None))
+            if self.announcer is not None:
+                self._announce(st, c, key)
+
+    def _announce(self, st: _Req, c: int, key: bytes) -> None:
+        """Announce chunk ``c``'s save to routers, by the engine's hashes of its blocks."""
+        assert self.announcer is not None
+        cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
+        bpc = cs // bs
+        hashes = st.block_hashes
+        try:
+            if hashes is None or len(hashes) < (c + 1) * bpc:
+                return
+            ours = [self.convert_hash(h) for h in hashes[c * bpc : (c + 1) * bpc]]
+            parent = self.convert_hash(hashes[c * bpc - 1]) if c else None
+            self.announcer.saving(key, c, ours, parent, st.prompt[c * cs : (c + 1) * cs], st.lora_name)
+        except Exception as exc:  # events are hints: a failure costs only the event
+            log.warning("lmctl: KV event for a saved chunk not built: %s", exc)
 
     def _prefixes(self, st: _Req) -> list[bytes]:
         """The prefix ids of a request's chunks (one pass over its prompt, at its first save):
@@ -268,6 +295,8 @@ class LMCtlConnectorScheduler:
             keys.append(st.keys[c])
             blocks.append(row)
         loads.append(LoadOp(req_id, keys, blocks))
+        if self.announcer is not None:
+            self.announcer.loaded(keys)
 
     def _observe_step(self, so: SchedulerOutput) -> None:
         """Note the prompt tokens this step computes; ``step_done`` times it (the engine's
@@ -312,6 +341,8 @@ class LMCtlConnectorScheduler:
         """Let go of the store (safe to call more than once)."""
         if not self._closed:
             self._closed = True
+            if self.announcer is not None:
+                self.announcer.flush()
             if self._remote_pool is not None:
                 self._remote_pool.shutdown(wait=True)
             release_shared(self.store)

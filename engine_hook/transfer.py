@@ -9,9 +9,9 @@
   writer's thread: at most one index transaction a second. (Loads read the
   store on the step loop, before the forward pass: a slow disk does slow those.)
 * ``PagedKV``: the one place that knows how an engine lays out its paged KV cache.
-  It views each layer as ``[blocks, 2 (K, V), block_size, kv_heads, head_dim]`` and
-  copies whole blocks to and from the store's canonical chunk layout
-  ``[layers, 2, tokens, kv_heads, head_dim]``.
+  It views each layer as ``[rows, planes (K, V; or one MLA latent), tokens, kv_heads,
+  head_dim]`` and copies whole blocks to and from the store's canonical chunk layout
+  ``[layers, planes, tokens, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class StagingPool:
 
 
 def chunk_tensor(buf: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """View a staging buffer as one chunk: [layers, 2, tokens, kv_heads, head_dim]."""
+    """View a staging buffer as one chunk: [layers, planes, tokens, kv_heads, head_dim]."""
     return buf[: fmt.chunk_bytes].view(to_dtype(fmt.dtype)).view(fmt.chunk_shape)
 
 
@@ -273,7 +273,13 @@ class PagedKV:
 
     Supported per-layer layouts (logical shapes; physical strides may differ):
 
-    * ``BHNC``:  [blocks, kv_heads, block_size, K||V]  (vLLM >= 0.31, every backend)
+    * ``BHNC``:  [blocks, kv_heads, block_size, C]  (vLLM >= 0.31, every backend). C is K||V
+      (``2 * head_dim``), or for MLA one latent of ``head_dim`` (``kv_planes`` 1). vLLM's
+      ``KVCacheLayout`` chooses the physical order (LBHNC, LBNHC, LHBNC, and the cross-layer
+      BLHNC, BLNHC, BHLNC): each is a strided view of this logical shape, so one view serves
+      all six. Where the attention kernel's block is smaller than the scheduler's (vLLM
+      splits a block into ``block_size / N`` kernel blocks), the tensor has that many more
+      rows of N tokens each, and scheduler block ``b`` is rows ``b*r .. b*r+r-1``.
     * ``2BNHD``: [2, blocks, block_size, kv_heads, head_dim]  (FlashAttention, older vLLM)
     * ``B2NHD``: [blocks, 2, block_size, kv_heads, head_dim]  (FlashInfer NHD)
     * ``B2HND``: [blocks, 2, kv_heads, block_size, head_dim]  (FlashInfer HND)
@@ -296,17 +302,31 @@ class PagedKV:
         self.layout = layout or self.detect(first, fmt, block_size)
         if self.layout not in self.LAYOUTS:
             raise StoreError(f"unknown KV layout {self.layout!r}; known: {', '.join(self.LAYOUTS)}")
+        if self.layout != "BHNC" and fmt.kv_planes != 2:
+            raise StoreError(f"KV layout {self.layout} holds K and V; a latent (MLA) cache is BHNC")
+        #: tokens per row of the tensors (the attention kernel's block) and rows per block
+        self.rows_n = int(first.shape[2]) if self.layout == "BHNC" else block_size
+        if self.rows_n <= 0 or block_size % self.rows_n:
+            raise StoreError(f"KV cache rows of {self.rows_n} tokens do not divide the block size {block_size}")
+        self.rows_per_block = block_size // self.rows_n
+        for t in layers:
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
+                raise StoreError(f"KV layers differ in shape or dtype: {tuple(t.shape)} {t.dtype} and "
+                                 f"{tuple(first.shape)} {first.dtype}")
         self.views = [self._view(t) for t in layers]
         self.device = first.device
+        #: indexed whole-layer copies (accelerators) rather than a copy per row (the CPU)
+        self.vectorized = self.device.type != "cpu"
+        self._device_chunk: torch.Tensor | None = None
 
     @staticmethod
     def detect(t: torch.Tensor, fmt: KVFormat, bs: int) -> str:
-        h, d = fmt.num_kv_heads, fmt.head_dim
+        h, d, p = fmt.num_kv_heads, fmt.head_dim, fmt.kv_planes
         shape = tuple(t.shape)
         found = []
-        if len(shape) == 4 and shape[1:] == (h, bs, 2 * d):
+        if len(shape) == 4 and shape[1] == h and shape[3] == p * d and 0 < shape[2] <= bs and bs % shape[2] == 0:
             found.append("BHNC")
-        if len(shape) == 5:
+        if len(shape) == 5 and p == 2:
             if shape[0] == 2 and shape[2:] == (bs, h, d):
                 found.append("2BNHD")
             if shape[1:] == (2, bs, h, d):
@@ -316,42 +336,79 @@ class PagedKV:
         if len(found) != 1:
             why = "ambiguous" if found else "not recognised"
             raise StoreError(
-                f"KV cache layout {shape} is {why} (kv_heads={h}, head_dim={d}, block_size={bs}); "
+                f"KV cache layout {shape} is {why} (kv_heads={h}, head_dim={d}, planes={p}, block_size={bs}); "
                 f"set kv_connector_extra_config['kv_layout'] to one of {', '.join(PagedKV.LAYOUTS)}")
         return found[0]
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
-        """A view (never a copy) of one layer as [blocks, 2, block_size, kv_heads, head_dim]."""
-        h, d, bs = self.fmt.num_kv_heads, self.fmt.head_dim, self.block_size
+        """A view (never a copy) of one layer as [rows, planes, N, kv_heads, head_dim]."""
+        d, p = self.fmt.head_dim, self.fmt.kv_planes
         if self.layout == "BHNC":
-            v = t.view(t.shape[0], h, bs, 2, d).permute(0, 3, 2, 1, 4)
+            if t.stride(3) != 1:
+                raise StoreError("KV cache layer's last dimension is not contiguous; it cannot be viewed "
+                                 "as K||V without a copy")
+            v = t.unflatten(3, (p, d)).permute(0, 3, 2, 1, 4)
         elif self.layout == "2BNHD":
             v = t.permute(1, 0, 2, 3, 4)
         elif self.layout == "B2NHD":
             v = t
         else:
             v = t.permute(0, 1, 3, 2, 4)
-        if v.data_ptr() != t.data_ptr():  # pragma: no cover - view() never copies
+        if v.data_ptr() != t.data_ptr():  # pragma: no cover - a view never copies
             raise StoreError("KV cache layer could not be viewed without a copy")
         return v
 
+    def _rows(self, block_ids: Sequence[int | None]) -> list[tuple[int, int]]:
+        """(tensor row, first token of it in the chunk) for every row of the given blocks."""
+        r, n, bs = self.rows_per_block, self.rows_n, self.block_size
+        return [(b * r + i, j * bs + i * n) for j, b in enumerate(block_ids) if b is not None for i in range(r)]
+
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy one chunk's blocks (in token order) into ``out`` [layers, 2, tokens, H, D]."""
-        bs = self.block_size
+        """Copy one chunk's blocks (in token order) into ``out`` [layers, planes, tokens, H, D].
+
+        On the CPU, row by row. On an accelerator, each layer's rows are gathered on the
+        device in one kernel into a chunk-sized device buffer, which then crosses to ``out``
+        (pinned host memory) in one copy: a few large transfers instead of one per row."""
+        rows = self._rows(block_ids)
+        if self.vectorized:
+            idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=self.device)
+            dev = self._scratch(out)
+            for layer, v in enumerate(self.views):
+                g = v.index_select(0, idx)  # [R, planes, N, H, D]
+                dev[layer, :, : len(rows) * self.rows_n].copy_(g.transpose(0, 1).flatten(1, 2))
+            out.copy_(dev)  # waits: the writer thread reads ``out`` next
+            return
+        n = self.rows_n
         for layer, v in enumerate(self.views):
             dst = out[layer]
-            for j, b in enumerate(block_ids):
-                dst[:, j * bs : (j + 1) * bs].copy_(v[b])
+            for row, tok in rows:
+                dst[:, tok : tok + n].copy_(v[row])
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int | None]) -> None:
-        """Copy a chunk [layers, 2, tokens, H, D] into the engine's blocks; ``None`` skips one
-        (a block the engine already holds). Block by block: small copies that a loader thread
-        makes beside the engine's forward pass without taking every core from it."""
-        bs = self.block_size
+        """Copy a chunk [layers, planes, tokens, H, D] into the engine's blocks; ``None`` skips
+        one (a block the engine already holds). On the CPU row by row: small copies that a
+        loader thread makes beside the engine's forward pass without taking every core from
+        it. On an accelerator the chunk crosses in one copy, then one indexed copy per layer."""
+        n = self.rows_n
         if src.device != self.device:
             src = src.to(self.device, non_blocking=True)
+        rows = self._rows(block_ids)
+        if self.vectorized:
+            if not rows:
+                return
+            idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=self.device)
+            toks = torch.tensor([t for _, t in rows], dtype=torch.long, device=self.device)
+            for layer, v in enumerate(self.views):
+                s = src[layer].unflatten(1, (-1, n)).transpose(0, 1)  # [chunk rows, planes, N, H, D]
+                v.index_copy_(0, idx, s.index_select(0, toks // n))
+            return
         for layer, v in enumerate(self.views):
             s = src[layer]
-            for j, b in enumerate(block_ids):
-                if b is not None:
-                    v[b].copy_(s[:, j * bs : (j + 1) * bs])
+            for row, tok in rows:
+                v[row].copy_(s[:, tok : tok + n])
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        buf = self._device_chunk
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self._device_chunk = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        return buf

@@ -20,7 +20,9 @@ live in one process, one store (``store.open_shared``).
 from __future__ import annotations
 
 import logging
+import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .announce import Announcer, Cleared, Event, Stored
 from .config import ConnectorSettings
 from .context import ConnectorContext
 from .metrics import LMCtlPromMetrics, LMCtlStats, build_stats
@@ -42,6 +45,7 @@ from .worker import LMCtlConnectorWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -119,6 +123,9 @@ class LMCtlConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = LMCtlConnectorScheduler(self.context)
             self.store = self.connector_scheduler.store
+            kec = getattr(vllm_config, "kv_events_config", None)
+            if kec is not None and kec.enable_kv_cache_events:
+                self._start_events(settings.reannounce)
         else:
             self.connector_worker = LMCtlConnectorWorker(self.context)
             self.store = self.connector_worker.store
@@ -157,6 +164,40 @@ class LMCtlConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().request_finished(request)
         return False, None
+
+    def _start_events(self, reannounce: bool) -> None:
+        """KV events for lmctl's tiers (``engine_hook.announce``): vLLM publishes what
+        ``take_events`` returns; an engine that starts on a store that already holds chunks
+        of its namespaces announces them again."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        sched = self._scheduler()
+        ctx = self.context
+        mine = {rec.ns_id for rec, _doc in self.store.namespace_records().values()
+                if rec.model == ctx.model_id and rec.kv_format == ctx.kv_format
+                and rec.model_fingerprint == ctx.model_fingerprint}
+        topic = str(getattr(self._vllm_config.kv_events_config, "topic", "") or "")
+        sched.announcer = Announcer(self.store, mine.__contains__, ctx.block_size, ctx.kv_format.chunk_size,
+                                    reannounce=reannounce and bool(mine),
+                                    instance=(f"topic {topic}, " if topic else "") + f"pid {os.getpid()}")
+        sched.convert_hash = maybe_convert_block_hash
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """This step's KV events for lmctl's tiers (scheduler side only: vLLM publishes them
+        once, whatever the tensor-parallel size)."""
+        sched = self.connector_scheduler
+        if sched is None or sched.announcer is None:
+            return ()
+        return [to_vllm_event(e) for e in sched.announcer.take()]
+
+    def has_pending_push_work(self) -> bool:
+        """True while the re-announce after start-up is not done, and when the store's event
+        log has news to look at (a removal to announce): vLLM then steps without requests
+        (empty steps, a batch of chunks each) so that a restarted instance is routable before
+        its first request. vLLM asks before it waits for requests: an engine already waiting
+        publishes at its next step."""
+        sched = self.connector_scheduler
+        return sched is not None and sched.announcer is not None and sched.announcer.pending()
 
     # -- worker side -------------------------------------------------------------------
     def _metadata(self) -> LMCtlMetadata | None:
@@ -255,6 +296,19 @@ class LMCtlConnector(KVConnectorBase_V1):
             self.connector_worker.close()
         if self.connector_scheduler is not None:
             self.connector_scheduler.close()
+
+
+def to_vllm_event(e: Event) -> KVCacheEvent:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` for one of the announcer's events."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    if isinstance(e, Cleared):
+        return AllBlocksCleared()
+    if isinstance(e, Stored):
+        return BlockStored(block_hashes=list(e.block_hashes), parent_block_hash=e.parent_block_hash,
+                           token_ids=list(e.token_ids), block_size=e.block_size, lora_id=None, medium=e.medium,
+                           lora_name=e.lora_name, locality=e.locality)
+    return BlockRemoved(block_hashes=list(e.block_hashes), medium=e.medium, locality=e.locality)
 
 
 def live_connectors() -> list[LMCtlConnector]:

@@ -442,7 +442,13 @@ def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typ
         "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False,
            min_hit: Annotated[float | None, typer.Option(
                "--min-hit", help="exit 1 (with one line) unless at least this fraction of the document's tokens "
-                                 "is cached, 0-1 (e.g. 0.9)")] = None) -> None:
+                                 "is cached, 0-1 (e.g. 0.9)")] = None,
+           router: Annotated[str | None, typer.Option(
+               metavar="URL", help="also ask a router's KV index (Dynamo's KV indexer, POST URL/query) which "
+                                   "instances hold the document, how much of it and in which tier")] = None,
+           router_model: Annotated[str | None, typer.Option(
+               metavar="NAME", help="with --router: the model name the router knows the engines by "
+                                    "(default: the document's model id)")] = None) -> None:
     """How much of a document is cached: hit tokens, chunks per tier, first miss (--explain: why).
 
     \b
@@ -451,6 +457,7 @@ def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typ
       lmctl lookup --adapter civil --file contract.txt
       lmctl -q lookup --file contract.txt --min-hit 0.9 || lmctl warm --file contract.txt
       lmctl --json lookup --key 48c937a7583e21f2
+      lmctl lookup --file contract.txt --router http://router:8090 --router-model smollm2
     """
     term = Terminal.of(ctx)
     if min_hit is not None and not 0 <= min_hit <= 1:
@@ -471,7 +478,39 @@ def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typ
 
     # a gate under --quiet: the exit status is the answer, the line below says why it failed
     show: Show = (lambda t, r: None) if term.quiet and min_hit is not None else _show_lookup
+    if router is not None or router_model is not None:
+        _lookup_router(term, sel, explain, router, router_model, show, enough)
+        return
     _request(ctx, "lookup", {**sel, "explain": True} if explain else sel, show, ok=enough)
+
+
+def _lookup_router(term: Terminal, sel: dict[str, Any], explain: bool, url: str | None,
+                   model: str | None, show: Show, ok: Callable[[dict[str, Any]], bool]) -> None:
+    """``lookup --router``: this store's answer, then the router's, per instance."""
+    from .router import ask, query_url
+
+    def body() -> None:
+        if url is None:
+            raise CommandError("usage", "--router-model needs --router URL (the router index to ask)")
+        query_url(url)  # a bad URL is a usage error before the daemon is asked
+        r = term.call("lookup", {**sel, "token_ids": True, **({"explain": True} if explain else {})})
+        tokens = r.pop("token_ids", None)
+        if not tokens:
+            raise CommandError("usage", "--router needs a document (--text, --file, --tokens or --messages): the "
+                                        "router is asked by its tokens")
+        ns = r.get("namespace") or {}
+        name = model or ns.get("model")
+        if not name:
+            raise CommandError("usage", "the document's model is not known here: pass --router-model NAME")
+        adapter = ns.get("adapter")
+        lora = None if not adapter else str(adapter).split("@", 1)[0]
+        r["router"] = {"url": url, "model_name": name, "lora_name": lora,
+                       "instances": ask(url, [int(t) for t in tokens], name, lora)}
+        term.emit(r, show)
+        if not ok(r):
+            raise typer.Exit(ExitStatus.ERROR)
+
+    term.run(body)
 
 
 def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
@@ -503,13 +542,30 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
             term.say("nothing misses: every full chunk is cached")
         else:
             term.say(f"why: {why['reason']}: {why['message']}")
+    if "router" in r:
+        _show_router(term, r["router"], total)
+
+
+def _show_router(term: Terminal, routed: dict[str, Any], total: int) -> None:
+    insts = routed["instances"]
+    who = routed["model_name"] + (f", adapter {routed['lora_name']}" if routed.get("lora_name") else "")
+    if not insts:
+        term.say(f"router {routed['url']} ({who}): no instance holds any of it")
+        return
+    term.say(f"router {routed['url']} ({who}): {len(insts)} instance(s) hold some of it")
+    rows = [[wid, str(v["longest_matched"]), f"{100 * v['longest_matched'] / total:.0f}%" if total else "-",
+             str(v["gpu"]), str(v["cpu"]), str(v["disk"])]
+            for wid, v in sorted(insts.items(), key=lambda kv: -kv[1]["longest_matched"])]
+    term.table(None, ["instance", "tokens", "of doc", "gpu", "cpu", "disk"], rows,
+               {"tokens", "of doc", "gpu", "cpu", "disk"})
 
 
 @app.command()
 def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
         help="only events of the last DURATION: 90s, 30m, 1h, 7d, 1h30m (a unit is required)")] = None,
            kind: Annotated[list[str] | None, typer.Option(
-               help="evict, corrupt, save-dropped, pin or unpin; repeatable",
+               help="evict, corrupt, save-dropped, pin, unpin, remote-copy or announce (KV events engines "
+                    "published); repeatable",
                autocompletion=complete_values("--kind"))] = None,
            limit: Annotated[int, typer.Option(help="the newest N events (0: all)", min=0)] = 50,
            output: Output = None, no_headers: NoHeaders = False,
@@ -518,12 +574,13 @@ def events(ctx: typer.Context, since: Annotated[str | None, typer.Option(
                                       "(--json: one JSON line per event)")] = False,
            interval: Annotated[float, typer.Option(
                help="with --follow: seconds between two looks at the log, 0.1-60")] = 1.0) -> None:
-    """The store's bounded event log: evictions, corrupt drops, dropped saves, pins (and totals).
+    """The store's bounded event log: evictions, corrupt drops, dropped saves, pins, KV events announced.
 
     \b
     Examples:
       lmctl events --since 1h --kind evict
       lmctl events --follow --kind evict --kind corrupt
+      lmctl events --kind announce --since 10m
       lmctl events -o tsv --limit 0 > events.tsv
       lmctl --json events --limit 0 | jq '.events[] | select(.kind == "corrupt")'
     """
@@ -1043,6 +1100,37 @@ def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None
                                           **({"partial": True} if partial else {})}, long=True))
         term.emit({k: out[k] for k in sorted(out, key=WARM_KEYS.index)}, _show_warm)
         if not_warmed(term, out, allow_missing, estimate=dry_run and endpoint is not None):
+            raise typer.Exit(ExitStatus.ERROR)
+
+    term.run(body)
+
+
+@app.command()
+def drain(ctx: typer.Context, manifest: Annotated[str, typer.Option(
+        metavar="FILE", help="write the manifest of what went to FILE, for the replacement's warm --manifest")],
+          budget: Annotated[str | None, typer.Option(
+              help="copy at most SIZE of stored bytes: 2GiB, 500MiB (a unit is required)")] = None,
+          deadline: Annotated[str | None, typer.Option(
+              help="stop copying after DURATION: 90s, 5m, 1h (a unit is required)")] = None,
+          dry_run: DryRun = False) -> None:
+    """Before scale-down: copy this instance's chunks to the remote tier, pinned then hottest first, with a report.
+
+    The local copies stay. Exit 1 when pinned entries were left behind (budget, deadline, the
+    remote tier refused them) or the remote tier refused chunks; 130 on Ctrl-C, with a manifest
+    of what went.
+
+    \b
+    Examples:
+      lmctl drain --manifest drain.json --budget 20GiB --deadline 5m
+      lmctl drain --manifest drain.json --dry-run
+      lmctl warm --manifest drain.json   (on the replacement)
+    """
+    from .drain import drain as run_drain
+
+    term = Terminal.of(ctx)
+
+    def body() -> None:
+        if not run_drain(term, manifest, budget, deadline, dry_run):
             raise typer.Exit(ExitStatus.ERROR)
 
     term.run(body)

@@ -181,10 +181,13 @@ class Client:
         self._sock = s
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
-             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[int, int, str], None] | None = None,
+             sink: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+        """One request; its result. ``sink``: where streamed rows collect as they come (by the
+        list they go into), so that a caller interrupted part way still has those it got."""
         reused = self._sock is not None
         try:
-            return self._call(cmd, args, progress)
+            return self._call(cmd, args, progress, sink)
         except _Closed as exc:
             # the daemon hangs up connections idle for long (a shell left open): a kept
             # connection that it closed before answering anything is made anew, once
@@ -192,17 +195,17 @@ class Client:
             if not reused:
                 raise Unreachable(self.path, str(exc)) from None
         try:
-            return self._call(cmd, args, progress)
+            return self._call(cmd, args, progress, sink)
         except _Closed as exc:
             self.close()
             raise Unreachable(self.path, str(exc)) from None
 
-    def _call(self, cmd: str, args: dict[str, Any] | None,
-              progress: Callable[[int, int, str], None] | None) -> dict[str, Any]:
+    def _call(self, cmd: str, args: dict[str, Any] | None, progress: Callable[[int, int, str], None] | None,
+              sink: dict[str, list[Any]] | None = None) -> dict[str, Any]:
         self.connect()
         assert self._sock is not None
         rid = next(self._ids)
-        rows: dict[str, list[Any]] = {}
+        rows: dict[str, list[Any]] = {} if sink is None else sink
         heard = False
         try:
             try:

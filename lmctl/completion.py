@@ -52,7 +52,7 @@ def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 #: they are a fixed few: the shell and the scripts complete them
 VALUES: dict[str, tuple[str, ...]] = {
     "--sort": ("key", "age", "access", "size"),
-    "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin"),
+    "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin", "remote-copy", "announce"),
     "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": ("dram", "nvme"),
     "--codec": ("zstd-shuffle", "zstd", "raw"),
     "--log-level": ("debug", "info", "warning", "error"),

@@ -363,7 +363,7 @@ class SocketUnreachable(StoreError):
 #: what a read-only peer (``--allow-uid-ro``) may ask: requests that change nothing
 READ_ONLY_CMDS = frozenset({"status", "metrics", "lookup", "inspect", "ls", "events", "names", "export"})
 #: requests a read-only peer may make as dry runs (they change nothing either)
-DRY_RUN_CMDS = frozenset({"evict", "pin", "unpin", "move", "compress", "config"})
+DRY_RUN_CMDS = frozenset({"evict", "pin", "unpin", "move", "compress", "config", "drain"})
 
 
 def changes_the_store(cmd: str, args: dict[str, Any]) -> str | None:

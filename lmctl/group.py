@@ -42,7 +42,7 @@ METAVARS = {
     "--log-level": "LEVEL", "--since": "DURATION", "--kind": "KIND", "--limit": "N", "--sort": "ORDER",
     "--cursor": "NEXT", "--level": "N", "--to": "TIER", "--endpoint": "URL", "--interval": "SECONDS",
     "--iterations": "N", "--shell": "SHELL", "-o": "FORMAT",
-    "--min-hit": "FRACTION", "--allow-uid-ro": "UID",
+    "--min-hit": "FRACTION", "--allow-uid-ro": "UID", "--budget": "SIZE", "--deadline": "DURATION",
 }
 
 

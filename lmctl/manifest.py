@@ -137,8 +137,8 @@ def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_lab
     """The entries of the manifest ``text`` (read from ``name``); a usage error names the
     first problem, its entry and field. ``cache_salt`` is ``--cache-salt``: it must be
     given exactly when an entry needs one it does not hold (a salt from the environment,
-    ``salt_given`` false, may also go unused). ``need_label``: every entry must have a
-    label (``warm --pin``)."""
+    ``salt_given`` false, may also go unused). ``need_label``: every document entry must
+    have a label (``warm --pin``; an entry of keys without one is warmed, not pinned)."""
     def bad(where: str, message: str) -> CommandError:
         return CommandError("usage", f"manifest {name}: {where}: {message}")
 
@@ -166,8 +166,8 @@ def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_lab
             _check_entry(f)
         except _Bad as exc:
             raise bad(f"documents[{i}]" + (f".{exc.field}" if exc.field else ""), str(exc)) from None
-        if need_label and "label" not in f:
-            raise bad(f"documents[{i}].label", "missing: --pin pins each entry under its label")
+        if need_label and "label" not in f and "keys" not in f:  # keys alone: a drain's unpinned chunks
+            raise bad(f"documents[{i}].label", "missing: --pin pins each document under its label")
         if f.get("needs_cache_salt") and "cache_salt" not in f and cache_salt is None:
             raise bad(f"documents[{i}].needs_cache_salt", "this document was pinned with a cache salt, which a "
                       "manifest never holds: pass --cache-salt SALT")
@@ -361,7 +361,7 @@ def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, end
                    moved=r["chunks"], fetched=r["fetched"], already=r["skipped"], missing=r["missing"],
                    unchecked=r["unchecked"], in_tier=r["in_tier"] or 0,
                    prefilled=0 if found_before is None else max(0, found - found_before), bytes=r["bytes"])
-        if pin:
+        if pin and e.label is not None:
             row["pinned"] = term.call("pin", {**sel, "label": e.label, "dry_run": dry_run})["added"]
     except (RemoteError, CommandError) as exc:
         row["error"] = {"code": exc.code, "message": " ".join(str(exc).split())}

@@ -71,6 +71,10 @@ EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                             "failed)."),
     "pins_total": ("lmctl_pins_total", "Pin references added, by reason."),
     "unpins_total": ("lmctl_unpins_total", "Pin references removed, by reason."),
+    "remote_copies_total": ("lmctl_remote_copies_total", "Chunks copied to the remote tier with their local copy "
+                            "kept, by reason (drain)."),
+    "announced_total": ("lmctl_announced_total", "Chunks engines announced to routers in KV events, by reason "
+                        "(stored, reannounced, removed)."),
 }
 
 

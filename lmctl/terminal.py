@@ -342,9 +342,11 @@ class Terminal:
 
     # -- the daemon -----------------------------------------------------------------------
     def call(self, cmd: str, args: dict[str, Any] | None = None, long: bool = False,
-             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[int, int, str], None] | None = None,
+             sink: dict[str, list[Any]] | None = None) -> dict[str, Any]:
         """One request to the daemon; ``long`` ones show a progress bar (not under --json),
-        or tell ``progress`` how the job goes (a caller that shows one bar for many requests)."""
+        or tell ``progress`` how the job goes (a caller that shows one bar for many requests).
+        ``sink``: where streamed rows collect as they come (``Client.call``)."""
         if self.client is None:
             from .client import Client
 
@@ -364,7 +366,7 @@ class Terminal:
                     elif bar is not None:
                         bar(done, total, what)
 
-                return self.client.call(cmd, args, note)
+                return self.client.call(cmd, args, note, sink)
         finally:
             if not self.keep_open:
                 self.hang_up()

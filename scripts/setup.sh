@@ -40,3 +40,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import
     fi
     echo "$want" > "$stamp"
 fi
+
+# Dynamo's standalone KV indexer, the real router index the KV-events test subscribes to
+# (tests/router_index.py). A venv of its own: it pins a pydantic older than vLLM's.
+if ! .venv-router/bin/python -c 'import dynamo.indexer' >/dev/null 2>&1; then
+    echo "setup: installing Dynamo's KV indexer (ai-dynamo-runtime) into .venv-router" >&2
+    log=.venv/setup-router.log
+    if ! { python3 -m venv .venv-router &&
+           .venv-router/bin/python -m pip install -q 'ai-dynamo-runtime==1.6.1'; } >"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "setup: pip install of ai-dynamo-runtime failed (full log: $log)" >&2
+        exit 1
+    fi
+fi

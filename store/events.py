@@ -34,7 +34,8 @@ from .schema import EVENT_COUNTER, EVENT_ROW, event_key_row, event_ref_row, even
 
 #: event kinds and the name of each one's counter family
 METRICS = {"evict": "evictions_total", "corrupt": "corrupt_total", "save-dropped": "saves_dropped_total",
-           "pin": "pins_total", "unpin": "unpins_total"}
+           "pin": "pins_total", "unpin": "unpins_total", "remote-copy": "remote_copies_total",
+           "announce": "announced_total"}
 KINDS = tuple(METRICS)
 #: chunks the log names per event, on average at most (an eviction may name many)
 KEYS_PER_EVENT = 16
@@ -142,6 +143,16 @@ class EventLog:
         with self.index.read() as t:
             return t.counter("event_seq")
 
+    def keys_of(self, seq: int) -> list[bytes]:
+        """The chunks event ``seq`` names (empty once the log dropped it), in key order."""
+        out: list[bytes] = []
+        if not self.index.has_events:
+            return out
+        lo = _ref_row(seq)
+        with self.index.read() as t:
+            out = [k[len(lo):] for k in t.keys("events", lo)]
+        return out
+
     def latest(self, keys: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         """The latest event that names each of ``keys`` (where the log still has one)."""
         out: dict[bytes, dict[str, Any]] = {}
@@ -159,8 +170,8 @@ class EventLog:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Every event counter: ``{"evictions_total": {"lru": 12, ...}, "corrupt_total": {...},
-        "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...}}`` (each
-        family present, empty when nothing was counted)."""
+        "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...},
+        "remote_copies_total": {...}}`` (each family present, empty when nothing was counted)."""
         out: dict[str, dict[str, int]] = {name: {} for name in METRICS.values()}
         prefix = EVENT_COUNTER
         with self.index.read() as t:

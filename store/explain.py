@@ -204,7 +204,7 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
         if rec is not None:
             holder["namespace"] = {"model": rec.model, "adapter": None if rec.adapter is None else str(rec.adapter),
                                    "salted": rec.salted, "salt_digest": rec.salt_digest,
-                                   "model_fingerprint": rec.model_fingerprint, "kv_format": asdict(rec.kv_format)}
+                                   "model_fingerprint": rec.model_fingerprint, "kv_format": rec.kv_format.doc()}
         details["holder"] = holder
 
     if _remote_unavailable(sharing, key):

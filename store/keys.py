@@ -66,6 +66,9 @@ class KVFormat:
     tp_rank: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     layout_version: int = LAYOUT_VERSION
+    #: 2: a K and a V plane of ``head_dim`` each; 1: one latent plane per token (MLA, where
+    #: ``head_dim`` is the latent's width and ``num_kv_heads`` is 1)
+    kv_planes: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -75,19 +78,30 @@ class KVFormat:
                 raise StoreError(f"KV format field {name} must be positive")
         if not 0 <= self.tp_rank < self.tp_size:
             raise StoreError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if type(self.kv_planes) is not int or self.kv_planes not in (1, 2):
+            raise StoreError(f"KV format field kv_planes must be 1 (a latent, MLA) or 2 (K and V), "
+                             f"not {self.kv_planes!r}")
+
+    def doc(self) -> dict[str, Any]:
+        """The fields that identify this format: every field, but ``kv_planes`` only where it
+        is not the K-and-V default, so formats recorded before it existed keep their ids."""
+        d = asdict(self)
+        if self.kv_planes == 2:
+            del d["kv_planes"]
+        return d
 
     @property
     def chunk_bytes(self) -> int:
-        """Raw bytes of one full chunk: layers x (K, V) x tokens x heads x head_dim."""
+        """Raw bytes of one full chunk: layers x planes (K, V) x tokens x heads x head_dim."""
         return (
-            self.num_layers * 2 * self.chunk_size * self.num_kv_heads * self.head_dim
+            self.num_layers * self.kv_planes * self.chunk_size * self.num_kv_heads * self.head_dim
             * DTYPE_SIZES[self.dtype]
         )
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
-        """Canonical payload shape: [layers, 2 (K, V), tokens, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
+        """Canonical payload shape: [layers, planes (K, V; or one latent), tokens, kv_heads, head_dim]."""
+        return (self.num_layers, self.kv_planes, self.chunk_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,7 @@ class Namespace:
             raise StoreError("namespace needs a model id")
         doc = {
             "model": self.model,
-            "kv_format": asdict(self.kv_format),
+            "kv_format": self.kv_format.doc(),
             "adapter": None if self.adapter is None else asdict(self.adapter),
             "cache_salt": self.cache_salt,
             "model_fingerprint": self.model_fingerprint,

@@ -30,6 +30,8 @@ counts      ``n`` + namespace id + tier (1)             ``Counts`` of the namesp
                                                         the tier (packed u64s)
             ``l`` + label + NUL + namespace id + tier   ``Counts`` of the label's stored chunks
             ``k`` + label                               keys the label pins (u64), stored or not
+announce    ``p`` + chain position (BE u32) + chunk key  an engine's announcement record
+            ``k`` + chunk key                           its position (store/announce.py)
 ==========  ==========================================  =====================================
 """
 
@@ -40,9 +42,9 @@ from typing import Literal
 
 #: the sub-databases (``prefixes``/``events`` and ``keylabels``/``counts`` came after format 1)
 DbName = Literal["meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces", "prefixes", "events",
-                 "keylabels", "counts"]
+                 "keylabels", "counts", "announce"]
 DB_NAMES: tuple[DbName, ...] = ("meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces",
-                                "prefixes", "events", "keylabels", "counts")
+                                "prefixes", "events", "keylabels", "counts", "announce")
 
 # -- meta ----------------------------------------------------------------------------------
 META_CONFIG = b"config"  # the settings (StoreConfig JSON)
@@ -148,3 +150,23 @@ def event_key_row(key: bytes) -> bytes:
 
 def event_ref_row(seq: int, key: bytes = b"") -> bytes:
     return EVENT_REF + _BE64.pack(seq) + key
+
+
+# -- announce ------------------------------------------------------------------------------
+ANNOUNCE_ROW = b"p"
+ANNOUNCE_KEY = b"k"
+_BE32 = struct.Struct(">I")
+
+
+def announce_row(pos: int | bytes, key: bytes = b"") -> bytes:
+    """An ``announce`` record's row: the chain position (or its packed 4 bytes), then the key."""
+    return ANNOUNCE_ROW + (pos if isinstance(pos, bytes) else _BE32.pack(pos)) + key
+
+
+def announce_key_row(key: bytes) -> bytes:
+    return ANNOUNCE_KEY + key
+
+
+def key_after(row: bytes) -> bytes:
+    """The least key greater than ``row`` (to go on from a page's last row)."""
+    return row + b"\0"

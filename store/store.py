@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .announce import Announcements
 from .clock import SYSTEM_CLOCK, Clock
-from .codec import Codec, codec_id
+from .codec import CODEC_NAMES, Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
 from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
@@ -40,7 +41,7 @@ from .events import KINDS as EVENT_KINDS
 from .events import EventLog
 from .eviction import Evictor
 from .explain import explain_miss
-from .index import FORMAT_VERSION, FORMATS, Index, Txn
+from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
 from .keys import KEY_BYTES, Namespace, NamespaceRecord, prefix_ids, short_key
@@ -203,6 +204,7 @@ class Store:
         events = self._index.event_log
         assert events is not None  # asked for above
         self._events: EventLog = events
+        self._announce = Announcements(self._index)
         self.codec = Codec(self.config.codec_level)
         for name in TIER_ORDER:
             if name in self.config.tiers:
@@ -762,6 +764,54 @@ class Store:
                                            progress, dry_run)
         return self._writes.rewrite(keys, tier, codec, level, progress, dry_run)
 
+    def read_stored(self, key: bytes) -> tuple[Entry, bytearray] | str:
+        """What ``copy_to_remote`` puts of a locally stored chunk, read (a caller may read the
+        next chunk while it puts this one): its index entry and stored (encoded) bytes,
+        verified; ``gone`` when no local tier holds it, ``unreadable`` when its bytes fail
+        verification."""
+        for _attempt in range(5):  # compaction may relocate the chunk under us: read it again
+            with self._index.read() as t:
+                raw = t.entry_raw(key)
+            e = None if raw is None else Entry.read(raw)
+            if e is None:
+                return "gone"
+            data = self._reads.stored_bytes(key, e)
+            if data is not None:
+                return e, data
+        return "unreadable"
+
+    def copy_to_remote(self, key: bytes, stored: tuple[Entry, bytearray] | str | None = None) -> tuple[str, int]:
+        """Put one locally stored chunk to the remote tier as it is stored (its encoded bytes,
+        verified on the way out) and keep the local copy (``lmctl drain``); ``stored``: what
+        ``read_stored(key)`` returned (None: read it here). One put is one server
+        transaction: the chunk is whole in the remote tier or not there. Returns
+        (``copied``, stored bytes), (``gone``, 0) when no local tier holds it (evicted
+        meanwhile), (``unreadable``, 0) when its bytes fail verification, or (``refused``, 0)
+        when the server did not take it (down, full, breaker open, a chunk it cannot hold)."""
+        sharing = self._sharing
+        if sharing is None:
+            raise StoreError("this store has no remote tier; configure one (remote.url) first")
+        got = self.read_stored(key) if stored is None else stored
+        if isinstance(got, str):
+            return got, 0
+        e, data = got
+        try:
+            from .remote import RemoteMeta
+
+            meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
+                              tokens=e.tokens, checksum=e.checksum)
+            took = sharing.tier.put(key, data, meta)
+        except StoreError as exc:  # a chunk the tier cannot hold (too large, odd metadata)
+            log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
+            took = False
+        return ("copied", len(data)) if took else ("refused", 0)
+
+    def log_remote_copies(self, keys: Sequence[bytes], nbytes: int, reason: str = "drain") -> None:
+        """Log chunks just copied to the remote tier (``copy_to_remote``) as one event of kind
+        ``remote-copy``: ``lmctl events`` says they are in the remote tier now."""
+        if keys:
+            self._index.write(lambda t: t.event("remote-copy", reason, list(keys), tier="remote", bytes=nbytes))
+
     # -- reading ---------------------------------------------------------------------------
     def info(self, key: bytes) -> ChunkInfo | None:
         """Index metadata of one chunk (no read of its bytes); None if it is not stored."""
@@ -1034,7 +1084,8 @@ class Store:
     def events(self, since: float | None = None, kinds: Sequence[str] | None = None,
                limit: int = 100, after: int | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` events (0: all) of the store's bounded event log since the time
-        ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``),
+        ``since``, of ``kinds`` (``evict``, ``corrupt``, ``save-dropped``, ``pin``, ``unpin``,
+        ``remote-copy``),
         after the event whose ``seq`` is ``after`` (for a reader that follows the log),
         oldest first. Each is a dict: ``seq``, ``time``, ``kind``, ``reason``, ``chunks``, and
         as it applies ``key`` (the first chunk it names), ``tier``, ``bytes``, ``label``,
@@ -1043,6 +1094,43 @@ class Store:
         if bad:
             raise StoreError(f"unknown event kind(s) {', '.join(bad)}; kinds are {', '.join(EVENT_KINDS)}")
         return self._events.recent(since, kinds, limit, after)
+
+    def event_keys(self, seq: int) -> list[bytes]:
+        """The chunks event ``seq`` names, all of them (an event's ``key`` is only the first),
+        as far as the log's bound kept them; empty once the event was dropped."""
+        return self._events.keys_of(seq)
+
+    def announced(self, note: Sequence[tuple[bytes, int, bytes]] = (), forget: Sequence[bytes] = (),
+                  log: Mapping[str, Sequence[bytes]] | None = None, detail: str = "",
+                  counts: Mapping[str, int] | None = None) -> None:
+        """What an engine announced to routers, in one write transaction: keep the records of
+        ``note`` (``(chunk key, chain position, record)``, for its re-announce after a
+        restart: store/announce.py), drop those of ``forget``, and log one ``announce`` event
+        per reason of ``log`` (``stored``, ``removed``, ``reannounced`` -> the chunks), which
+        ``lmctl events --kind announce`` shows; ``counts``: how many chunks each reason's
+        event counts, when not as many as it names. Nothing when the store cannot be written."""
+        logged = {r: list(k) for r, k in (log or {}).items() if k}
+        if not (note or forget or logged) or not self._announce.usable():
+            return
+
+        def fn(t: Txn) -> None:
+            if note:
+                self._announce.note(t, note)
+            if forget:
+                self._announce.forget(t, forget)
+            for reason, keys in logged.items():
+                t.event("announce", reason, keys, chunks=(counts or {}).get(reason, len(keys)), detail=detail)
+
+        self._index.write(fn)
+
+    def announcements(self, after: bytes | None = None, limit: int = 256) -> list[tuple[bytes, int, bytes, bytes]]:
+        """A page of announcement records, chain roots first: ``(row, position, chunk key,
+        record)``; pass the last row as ``after`` for the next page."""
+        return self._announce.page(after, limit)
+
+    def announcement_of(self, keys: Sequence[bytes]) -> dict[bytes, tuple[int, bytes]]:
+        """The chain position and announcement record of each of ``keys`` that has one."""
+        return self._announce.get(keys)
 
     def last_event_seq(self) -> int:
         """The ``seq`` of the newest event ever logged (0: none): a follower of the log asks

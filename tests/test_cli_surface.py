@@ -208,7 +208,7 @@ def test_the_shell_completes_values_not_options(daemon: Daemon, tmp_path: Path) 
 
     assert complete("ls --sort ") == ["key", "age", "access", "size"]
     assert complete("ls --sort a") == ["age", "access"]
-    assert complete("events --kind ") == ["evict", "corrupt", "save-dropped", "pin", "unpin"]
+    assert complete("events --kind ") == ["evict", "corrupt", "save-dropped", "pin", "unpin", "remote-copy", "announce"]
     assert complete("move --to ") == ["dram", "nvme", "remote"] and complete("warm --to ") == ["dram", "nvme"]
     assert complete("compress --codec z") == ["zstd-shuffle", "zstd"]
     assert complete("config ") == ["set", "show"] and complete("config s") == ["set", "show"]
@@ -223,7 +223,7 @@ def test_the_shell_completes_values_not_options(daemon: Daemon, tmp_path: Path) 
 
 @pytest.mark.parametrize(("line", "want"), [
     ("lmctl ls --sort ", ["key", "age", "access", "size"]),
-    ("lmctl events --kind ", ["evict", "corrupt", "save-dropped", "pin", "unpin"]),
+    ("lmctl events --kind ", ["evict", "corrupt", "save-dropped", "pin", "unpin", "remote-copy", "announce"]),
     ("lmctl move --to ", ["dram", "nvme", "remote"]),
     ("lmctl config set codec", ["codec=", "codec_level="]),
     ("lmctl completion show ", ["bash", "zsh", "fish"]),

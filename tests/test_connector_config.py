@@ -70,6 +70,8 @@ def test_store_path_must_be_a_path(extra: dict[str, Any], why: str) -> None:
     ("kv_layout", "NHD", "kv_layout must be one of BHNC"),
     ("kv_layout", 3, "kv_layout must be a string"),
     ("dram_path", "shm/lmctl", "dram_path 'shm/lmctl' must be an absolute folder path"),  # found from each cwd
+    ("reannounce", "yes", "reannounce must be true or false"),
+    ("reannounce", 1, "reannounce must be true or false"),
 ])
 def test_a_bad_value_is_refused_with_a_clear_message(key: str, value: Any, why: str) -> None:
     with pytest.raises(StoreError, match=why):
@@ -83,6 +85,7 @@ def test_defaults() -> None:
     assert (s.chunk_size, s.save_queue, s.model_fingerprint, s.on_load_error) == (256, 16, "auto", "recompute")
     assert s.codec is s.capacity is s.model_id is s.kv_layout is None
     assert s.fingerprint_mode() == "auto"
+    assert s.reannounce is True
 
 
 def test_every_key_with_a_good_value() -> None:
@@ -111,6 +114,7 @@ def test_every_key_with_a_good_value() -> None:
     ("model_fingerprint", "OFF", "off"),
     ("model_fingerprint", " Auto ", "auto"),
     ("on_load_error", "recompute", "recompute"),
+    ("reannounce", False, False),
     *[("kv_layout", layout, layout) for layout in LAYOUTS],
 ])
 def test_a_good_value_is_taken(key: str, value: Any, want: Any) -> None:

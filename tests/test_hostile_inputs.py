@@ -171,6 +171,12 @@ def test_an_init_refused_for_a_tier_folder_leaves_nothing_behind(tmp_path: Path)
                        env=env_with_path(), timeout=60)
     one_usage_line(r, "dram folder", "mode 0777")
     assert os.listdir(empty) == [] and not (tmp_path / "s.sock").exists() and os.listdir(shared) == []
+    # the operator's case: a capacity without a unit, in a folder made for the store
+    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(empty), "--init",
+                        "--socket", str(tmp_path / "s.sock"), "--capacity", "10"], capture_output=True,
+                       text=True, env=env_with_path(), timeout=60)
+    one_usage_line(r, "has no unit")
+    assert os.listdir(empty) == [] and not (tmp_path / "s.sock").exists()
     os.chmod(shared, 0o700)  # put right: the same command makes the store
     d = Daemon(empty, tmp_path / "s.sock", ["--init", *tier])
     d.start()
