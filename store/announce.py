@@ -7,7 +7,7 @@ again from what the index holds (the block hashes depend on the cache salt, whic
 keeps only as a digest), so the engine leaves them here, opaque to the store: one record per
 chunk, written in batches.
 
-Rows of the ``announce`` sub-database:
+Rows of the ``announce`` sub-database (keys declared in store/schema.py):
 
 ===============================================  ============  ================================
 key                                              value         what
@@ -29,6 +29,7 @@ import struct
 from collections.abc import Sequence
 
 from .index import Index, Txn
+from .schema import ANNOUNCE_ROW, announce_key_row, announce_row, key_after
 
 _BE32 = struct.Struct(">I")
 #: the largest record kept (a 256-token chunk's record is about 1.5 KB)
@@ -48,31 +49,29 @@ class Announcements:
     def note(self, t: Txn, items: Sequence[tuple[bytes, int, bytes]]) -> int:
         """In ``t``: keep ``(chunk key, chain position, record)`` for each item; a record over
         ``MAX_RECORD`` bytes or a position out of range is skipped. How many were kept."""
-        db = self.index.announce
         n = 0
         for key, pos, rec in items:
             key, pos, rec = bytes(key), int(pos), bytes(rec)
             if not key or not 0 <= pos <= MAX_POSITION or len(rec) > MAX_RECORD:
                 continue
-            old = t.raw.get(b"k" + key, db=db)
-            if old is not None and bytes(old) != _BE32.pack(pos):
-                t.raw.delete(b"p" + bytes(old) + key, db=db)
-            t.raw.put(b"k" + key, _BE32.pack(pos), db=db)
-            t.raw.put(b"p" + _BE32.pack(pos) + key, rec, db=db)
+            old = t.get("announce", announce_key_row(key))
+            if old is not None and old != _BE32.pack(pos):
+                t.delete("announce", announce_row(old, key))
+            t.put("announce", announce_key_row(key), _BE32.pack(pos))
+            t.put("announce", announce_row(pos, key), rec)
             n += 1
         return n
 
     def forget(self, t: Txn, keys: Sequence[bytes]) -> int:
         """In ``t``: drop the records of ``keys``; how many there were."""
-        db = self.index.announce
         n = 0
         for key in keys:
             key = bytes(key)
-            pos = t.raw.get(b"k" + key, db=db)
+            pos = t.get("announce", announce_key_row(key))
             if pos is None:
                 continue
-            t.raw.delete(b"k" + key, db=db)
-            t.raw.delete(b"p" + bytes(pos) + key, db=db)
+            t.delete("announce", announce_key_row(key))
+            t.delete("announce", announce_row(pos, key))
             n += 1
         return n
 
@@ -84,15 +83,11 @@ class Announcements:
         if not self.index.has_announce:
             return out
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.announce)
-            ok = cur.set_range(after + b"\0" if after else b"p")
-            while ok and len(out) < limit:
-                row = bytes(cur.key())
-                if not row.startswith(b"p"):
+            for row, value in t.rows("announce", ANNOUNCE_ROW, start=key_after(after) if after else None):
+                if len(out) >= limit:
                     break
                 if len(row) > 5:
-                    out.append((row, _BE32.unpack(row[1:5])[0], row[5:], bytes(cur.value())))
-                ok = cur.next()
+                    out.append((row, _BE32.unpack(row[1:5])[0], row[5:], value))
         return out
 
     def get(self, keys: Sequence[bytes]) -> dict[bytes, tuple[int, bytes]]:
@@ -101,13 +96,12 @@ class Announcements:
         if not self.index.has_announce:
             return out
         with self.index.read() as t:
-            db = self.index.announce
             for key in keys:
                 key = bytes(key)
-                pos = t.raw.get(b"k" + key, db=db)
+                pos = t.get("announce", announce_key_row(key))
                 if pos is None or len(pos) != 4:
                     continue
-                rec = t.raw.get(b"p" + bytes(pos) + key, db=db)
+                rec = t.get("announce", announce_row(pos, key))
                 if rec is not None:
-                    out[key] = (_BE32.unpack(bytes(pos))[0], bytes(rec))
+                    out[key] = (_BE32.unpack(pos)[0], rec)
         return out

@@ -7,9 +7,9 @@ round trips until a probe succeeds, and sharing resumes by itself when it is bac
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
+from .clock import SYSTEM_CLOCK
 from .errors import StoreError
 
 
@@ -22,7 +22,7 @@ class CircuitBreaker:
     CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
     def __init__(self, failures: int = 3, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = SYSTEM_CLOCK.monotonic) -> None:
         if failures < 1 or backoff_s <= 0 or backoff_max_s < backoff_s:
             raise StoreError("breaker: failures must be >= 1 and 0 < backoff_s <= backoff_max_s")
         self.threshold = failures

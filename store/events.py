@@ -4,14 +4,14 @@ Events are written in the transaction that makes the change they describe (an ev
 a corrupt chunk dropped, a pin), so logging costs no transaction of its own; dropped
 saves, which change nothing in the index, arrive in batches (``Store.record_dropped_saves``).
 
-Rows of the ``events`` sub-database:
+Rows of the ``events`` sub-database (their keys are declared in store/schema.py):
 
 =============================  ==============  ==============================================
 key                            value           what
 =============================  ==============  ==============================================
-``e`` + seq (BE u64)           event JSON      one event, oldest first
-``k`` + chunk key              seq (BE u64)    the latest event that names the chunk
-``r`` + seq (BE u64) + key     empty           the chunks an event names (to trim them)
+``e`` + seq (BE u64)           event JSON      one event, oldest first (``event_row``)
+``k`` + chunk key              seq (BE u64)    the latest event that names the chunk (``event_key_row``)
+``r`` + seq (BE u64) + key     empty           the chunks an event names, to trim them (``event_ref_row``)
 =============================  ==============  ==============================================
 
 Counters in ``meta``: ``c:event_seq`` (the last seq), ``c:events`` and ``c:event_keys``
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .index import Index, Txn
+from .schema import EVENT_COUNTER, EVENT_ROW, event_key_row, event_ref_row, event_row, event_seq
 
 #: event kinds and the name of each one's counter family
 METRICS = {"evict": "evictions_total", "corrupt": "corrupt_total", "save-dropped": "saves_dropped_total",
@@ -41,18 +41,7 @@ KINDS = tuple(METRICS)
 KEYS_PER_EVENT = 16
 
 _BE64 = struct.Struct(">Q")
-
-
-def _event_row(seq: int) -> bytes:
-    return b"e" + _BE64.pack(seq)
-
-
-def _ref_row(seq: int, key: bytes = b"") -> bytes:
-    return b"r" + _BE64.pack(seq) + key
-
-
-def _key_row(key: bytes) -> bytes:
-    return b"k" + key
+_event_row, _ref_row, _key_row = event_row, event_ref_row, event_key_row
 
 
 class EventLog:
@@ -67,22 +56,21 @@ class EventLog:
         """Append an event in ``t``: ``kind`` and ``reason``, the chunks it names (``keys``),
         and ``fields`` (``chunks``: how many it counts, when not ``len(keys)``; ``tier``,
         ``label``, ``uid``, ``bytes``, ``detail`` ...; None values are left out)."""
-        db = self.index.events
         bound = max(1, self._max())
         key_bound = bound * KEYS_PER_EVENT
         named = list(dict.fromkeys(bytes(k) for k in keys))[:key_bound]
         count = int(fields.pop("chunks", len(keys)))
         seq = t.add("event_seq", 1)
-        doc: dict[str, Any] = {"seq": seq, "time": round(time.time(), 6), "kind": kind, "reason": reason,
+        doc: dict[str, Any] = {"seq": seq, "time": round(self.index.clock.time(), 6), "kind": kind, "reason": reason,
                                "chunks": count}
         doc.update((k, v) for k, v in fields.items() if v is not None and v != "")
         if named:
             doc["key"] = named[0].hex()
-        t.raw.put(_event_row(seq), json.dumps(doc, separators=(",", ":")).encode(), db=db)
+        t.put("events", _event_row(seq), json.dumps(doc, separators=(",", ":")).encode())
         packed = _BE64.pack(seq)
         for k in sorted(named):  # in key order: neighbouring puts touch the same pages
-            t.raw.put(_key_row(k), packed, db=db)
-            t.raw.put(_ref_row(seq, k), b"", db=db)
+            t.put("events", _key_row(k), packed)
+            t.put("events", _ref_row(seq, k), b"")
         t.add("events", 1)
         t.add("event_keys", len(named))
         t.add(f"ev:{kind}:{reason}", count)
@@ -92,17 +80,16 @@ class EventLog:
         """Drop the oldest events until the log is within its bound (``event_log_max``
         events, and chunks named); event ``keep`` (default: the newest) stays, however many
         chunks it names."""
-        db = self.index.events
         bound = max(1, self._max())
         key_bound = bound * KEYS_PER_EVENT
         events, refs = t.counter("events"), t.counter("event_keys")
         keep = t.counter("event_seq") if keep is None else keep  # the newest event always stays
         dropped = False
         while events > bound or refs > key_bound:
-            cur = t.raw.cursor(db=db)
-            if not cur.set_range(b"e") or not bytes(cur.key()).startswith(b"e"):
+            first = next(t.keys("events", EVENT_ROW), None)
+            if first is None:
                 break
-            oldest = int(_BE64.unpack(bytes(cur.key())[1:9])[0])
+            oldest = event_seq(first)
             if oldest == keep:
                 break
             refs -= self._drop(t, oldest)
@@ -114,22 +101,15 @@ class EventLog:
 
     def _drop(self, t: Txn, seq: int) -> int:
         """Remove event ``seq`` and what it names; how many chunks it named."""
-        db = self.index.events
-        t.raw.delete(_event_row(seq), db=db)
+        t.delete("events", _event_row(seq))
         lo = _ref_row(seq)
-        cur = t.raw.cursor(db=db)
-        named = []
-        if cur.set_range(lo):
-            for k in cur.iternext(values=False):
-                if not bytes(k).startswith(lo):
-                    break
-                named.append(bytes(k))
+        named = list(t.keys("events", lo))
         packed = _BE64.pack(seq)
         for row in named:
-            t.raw.delete(row, db=db)
+            t.delete("events", row)
             key = row[len(lo):]
-            if t.raw.get(_key_row(key), db=db) == packed:
-                t.raw.delete(_key_row(key), db=db)
+            if t.get("events", _key_row(key)) == packed:
+                t.delete("events", _key_row(key))
         return len(named)
 
     # -- reading ----------------------------------------------------------------------------
@@ -138,21 +118,12 @@ class EventLog:
         """The newest ``limit`` events (0: all) since ``since`` (a time), of ``kinds`` (None:
         all), after event ``after`` (a ``seq``; None: from the oldest), oldest first. One read
         transaction, newest to oldest."""
-        db = self.index.events
         out: list[dict[str, Any]] = []
         if not self.index.has_events:
             return out
         with self.index.read() as t:
-            cur = t.raw.cursor(db=db)
-            ok = cur.prev() if cur.set_range(b"f") else cur.last()
-            while ok:
-                k = bytes(cur.key())
-                if not k.startswith(b"e"):
-                    if k < b"e":
-                        break
-                    ok = cur.prev()
-                    continue
-                doc = _decode(cur.value())
+            for _k, v in t.rows_newest_first("events", EVENT_ROW):
+                doc = _decode(v)
                 if doc is not None:
                     if since is not None and doc.get("time", 0) < since:
                         break
@@ -162,7 +133,6 @@ class EventLog:
                         out.append(doc)
                         if limit and len(out) >= limit:
                             break
-                ok = cur.prev()
         out.reverse()
         return out
 
@@ -175,33 +145,25 @@ class EventLog:
 
     def keys_of(self, seq: int) -> list[bytes]:
         """The chunks event ``seq`` names (empty once the log dropped it), in key order."""
-        db = self.index.events
         out: list[bytes] = []
         if not self.index.has_events:
             return out
         lo = _ref_row(seq)
         with self.index.read() as t:
-            cur = t.raw.cursor(db=db)
-            if cur.set_range(lo):
-                for k in cur.iternext(values=False):
-                    k = bytes(k)
-                    if not k.startswith(lo):
-                        break
-                    out.append(k[len(lo):])
+            out = [k[len(lo):] for k in t.keys("events", lo)]
         return out
 
     def latest(self, keys: Sequence[bytes]) -> dict[bytes, dict[str, Any]]:
         """The latest event that names each of ``keys`` (where the log still has one)."""
-        db = self.index.events
         out: dict[bytes, dict[str, Any]] = {}
         if not self.index.has_events:
             return out
         with self.index.read() as t:
             for k in keys:
-                seq = t.raw.get(_key_row(k), db=db)
+                seq = t.get("events", _key_row(k))
                 if seq is None:
                     continue
-                doc = _decode(t.raw.get(b"e" + bytes(seq), db=db))
+                doc = _decode(t.get("events", EVENT_ROW + seq))
                 if doc is not None:
                     out[k] = doc
         return out
@@ -211,17 +173,12 @@ class EventLog:
         "saves_dropped_total": {...}, "pins_total": {...}, "unpins_total": {...},
         "remote_copies_total": {...}}`` (each family present, empty when nothing was counted)."""
         out: dict[str, dict[str, int]] = {name: {} for name in METRICS.values()}
-        prefix = b"c:ev:"
+        prefix = EVENT_COUNTER
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.meta)
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    k = bytes(k)
-                    if not k.startswith(prefix):
-                        break
-                    kind, _, reason = k[len(prefix):].decode(errors="replace").partition(":")
-                    name = METRICS.get(kind, f"{kind.replace('-', '_')}_total")
-                    out.setdefault(name, {})[reason] = int(struct.unpack("<Q", bytes(v))[0])
+            for k, v in t.rows("meta", prefix):
+                kind, _, reason = k[len(prefix):].decode(errors="replace").partition(":")
+                name = METRICS.get(kind, f"{kind.replace('-', '_')}_total")
+                out.setdefault(name, {})[reason] = int(struct.unpack("<Q", bytes(v))[0])
         return out
 
 

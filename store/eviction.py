@@ -9,24 +9,39 @@ Pinned chunks are never chosen.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from .compaction import Compactor
 from .config import StoreConfig
-from .errors import StoreError
 from .index import ENTRY_TIER_OFFSET, Entry, Index, Txn, lru_chunk
 from .namespaces import Namespaces
 from .segment import ALIGN
 from .space import Space
 from .types import Evicted
 
-log = logging.getLogger("lmctl.store")
+
+@dataclass
+class Room:
+    """A decision to make room in a tier: the bytes to free and the chunks chosen to go
+    (``Evictor.choose``); the caller may move them elsewhere before ``Evictor.finish``."""
+
+    tier: str
+    tid: int
+    incoming: int  # the bytes that must fit, a new segment's header included
+    to_free: int
+    victims: dict[bytes, Entry] = field(default_factory=dict)
+    retired: set[bytes] = field(default_factory=set)  # the victims of retired namespaces
+
+    def ordered(self) -> list[tuple[bytes, Entry]]:
+        """The victims in the order of their records on disk (sequential reads)."""
+        return sorted(self.victims.items(), key=lambda kv: (kv[1].seg, kv[1].off))
 
 
 class Evictor:
-    """Keeps each tier under its capacity."""
+    """Keeps each tier under its capacity. It decides and drops; it never calls back into
+    the write path: moving victims to the next tier down is the caller's (``Writes.make_room``)."""
 
     def __init__(self, index: Index, space: Space, compactor: Compactor, namespaces: Namespaces,
                  config: Callable[[], StoreConfig], lock: threading.RLock) -> None:
@@ -36,11 +51,6 @@ class Evictor:
         self.namespaces = namespaces
         self._config = config
         self.lock = lock
-        #: where a tier's victims go before they are dropped (dram -> nvme, nvme -> the remote
-        #: tier with write "evict"); None: they are dropped
-        self.spill: Callable[[str, list[tuple[bytes, Entry]]], object] | None = None
-        #: whether the spill of a tier moves its victims to another local tier (keeping them)
-        self.spill_moves: Callable[[str], bool] | None = None
 
     def retired(self, t: Txn | None = None) -> set[bytes]:
         """The namespaces whose chunks go first (see ``Store.retired_namespaces``)."""
@@ -50,67 +60,80 @@ class Evictor:
         return self.namespaces.retired(t, self._config().retire_after_s)
 
     def make_room(self, tier: str, incoming: int, trim: bool = False) -> int:
-        """Evict until ``incoming`` more bytes fit in ``tier``; returns the chunks evicted.
-        With ``trim``, evict down to the low watermark even if they fit already. Dead space
-        in partly live segments is compacted when evicting alone cannot make the room."""
+        """Evict until ``incoming`` more bytes fit in ``tier``, choosing and dropping the
+        victims in one write transaction; returns the chunks evicted. With ``trim``, evict
+        down to the low watermark even if they fit already. Dead space in partly live
+        segments is compacted when evicting alone cannot make the room. (A tier whose victims
+        go elsewhere first is evicted in steps: ``choose``, the move, ``finish``.)"""
+        room = self._room(tier, incoming, trim)
+        if room is None:
+            return 0
+
+        def fn(t: Txn) -> int:
+            victims, retired = self._pick(t, room.tid, room.to_free, False)
+            return self._drop(t, tier, victims, retired)
+
+        return self._fit(room, self.index.write(fn))
+
+    def choose(self, tier: str, incoming: int, trim: bool = False, moves: bool = False) -> Room | None:
+        """The first step of making room when the victims go somewhere first (the next tier
+        down): which chunks would leave ``tier`` (None: ``incoming`` fits already), chosen in a
+        read transaction. ``moves``: they move to another local tier, keeping their pins, so
+        pinned chunks may be chosen too. The caller moves them (I/O, outside any transaction),
+        then calls ``finish``."""
+        room = self._room(tier, incoming, trim)
+        if room is None:
+            return None
+        with self.index.read() as t:
+            victims, retired = self._pick(t, room.tid, room.to_free, moves)
+        return Room(tier, room.tid, room.incoming, room.to_free, victims, retired)
+
+    def finish(self, room: Room) -> int:
+        """Drop what ``choose`` picked that is still where it was (a move has taken the rest
+        away), then compact if the room is still not there; returns the chunks evicted."""
+        n = self.index.write(lambda t: self._drop(t, room.tier, room.victims, room.retired))
+        return self._fit(room, n)
+
+    def _room(self, tier: str, incoming: int, trim: bool) -> Room | None:
         st = self.space.tier(tier)
         cap = st.cfg.capacity
         used = self.space.used(tier)
         incoming += ALIGN  # room for a new segment's header
         if used + incoming <= cap and not trim:
-            return 0
-        to_free = used + incoming - int(cap * self._config().low_watermark)
+            return None
+        return Room(tier, st.tid, incoming, used + incoming - int(cap * self._config().low_watermark))
 
-        moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
+    def _drop(self, t: Txn, tier: str, victims: dict[bytes, Entry], retired: set[bytes]) -> int:
+        gone: dict[str, list[bytes]] = {"retired": [], "lru": []}
+        nbytes = {"retired": 0, "lru": 0}
+        for key, e in victims.items():
+            cur = t.entry(key)  # still where it was picked (a spill moves it; then it stays)
+            if cur is not None and (cur.seg, cur.off, cur.tier) == (e.seg, e.off, e.tier) and not t.pinned(key):
+                t.unindex_entry(key, cur)
+                why = "retired" if key in retired else "lru"
+                gone[why].append(key)
+                nbytes[why] += cur.rec_len
+        n = len(gone["retired"]) + len(gone["lru"])
+        t.add("evicted_retired", len(gone["retired"]))
+        t.add("evicted", n)
+        for why, keys in gone.items():
+            if keys:
+                t.event("evict", why, keys, tier=tier, bytes=nbytes[why])
+        return n
 
-        def pick(t: Txn) -> tuple[dict[bytes, Entry], set[bytes]]:
-            return self._pick(t, st.tid, to_free, moves)
-
-        def drop(t: Txn, victims: dict[bytes, Entry], retired: set[bytes]) -> int:
-            gone: dict[str, list[bytes]] = {"retired": [], "lru": []}
-            nbytes = {"retired": 0, "lru": 0}
-            for key, e in victims.items():
-                cur = t.entry(key)  # still where it was picked (a spill moves it; then it stays)
-                if cur is not None and (cur.seg, cur.off, cur.tier) == (e.seg, e.off, e.tier) and not t.pinned(key):
-                    t.unindex_entry(key, cur)
-                    why = "retired" if key in retired else "lru"
-                    gone[why].append(key)
-                    nbytes[why] += cur.rec_len
-            n = len(gone["retired"]) + len(gone["lru"])
-            t.add("evicted_retired", len(gone["retired"]))
-            t.add("evicted", n)
-            for why, keys in gone.items():
-                if keys:
-                    t.event("evict", why, keys, tier=tier, bytes=nbytes[why])
-            return n
-
-        if self.spill is None:
-            def fn(t: Txn) -> int:
-                victims, retired = pick(t)
-                return drop(t, victims, retired)
-
-            n = self.index.write(fn)
-        else:
-            # victims go to the next tier down first (outside any transaction: it is I/O),
-            # then whatever is still where it was is dropped
-            with self.index.read() as t:
-                victims, retired = pick(t)
-            if victims:
-                try:
-                    self.spill(tier, sorted(victims.items(), key=lambda kv: (kv[1].seg, kv[1].off)))
-                except (StoreError, OSError) as exc:  # the next tier is full or failing: evict
-                    log.warning("could not move %d chunk(s) out of tier %s (%s); evicting them", len(victims),
-                                tier, exc)
-            n = self.index.write(lambda t: drop(t, victims, retired))
-        used = self.space.used(tier)
+    def _fit(self, room: Room, n: int) -> int:
+        st = self.space.tier(room.tier)
+        cap = st.cfg.capacity
+        incoming = room.incoming
+        used = self.space.used(room.tier)
         if used + incoming > cap:
             # dead space in partly live segments: reclaim it now (rare with LRU, since
             # old segments die whole)
-            self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
-            used = self.space.used(tier)
+            self.compactor.compact(room.tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+            used = self.space.used(room.tier)
             if used + incoming > cap and st.open_seg is not None:
                 self.space.seal_open(st)
-                self.compactor.compact(tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
+                self.compactor.compact(room.tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
         return n
 
     def _pick(self, t: Txn, tid: int, to_free: int, moves: bool) -> tuple[dict[bytes, Entry], set[bytes]]:
@@ -136,27 +159,22 @@ class Evictor:
                     retired.add(key)
         return victims, retired
 
-    def plan(self, tier: str, capacity: int, low_watermark: float) -> tuple[list[tuple[bytes, int]], bool]:
-        """What ``make_room(tier, 0)`` would take from ``tier`` were its capacity ``capacity``
-        and the low watermark ``low_watermark``: ``(key, bytes on disk)`` in eviction order, and
-        whether they would move to the next tier down rather than be dropped. Reads only."""
+    def plan(self, tier: str, capacity: int, low_watermark: float,
+             moves: bool = False) -> tuple[list[tuple[bytes, int]], bool]:
+        """What making room in ``tier`` would take from it were its capacity ``capacity`` and
+        the low watermark ``low_watermark``: ``(key, bytes on disk)`` in eviction order, and
+        whether they would move to the next tier down rather than be dropped (``moves``: they
+        would, as the caller's ``choose`` would be told). Reads only."""
         used = self.space.used(tier)
         if used + ALIGN <= capacity:
             return [], False
-        moves = self.spill is not None and self.spill_moves is not None and self.spill_moves(tier)
         with self.index.read() as t:
             victims, _ = self._pick(t, self.space.tier(tier).tid, used + ALIGN - int(capacity * low_watermark), moves)
         return [(k, e.rec_len) for k, e in victims.items()], moves
 
     def _lru_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of ``tier`` (all, with ``pinned_too``), least recently used first."""
-        cur = t.raw.cursor(db=self.index.lru)
-        prefix = bytes([tier])
-        if not cur.set_range(prefix):
-            return
-        for k in cur.iternext(values=False):
-            if k[:1] != prefix:
-                return
+        for k in t.keys("lru", bytes([tier])):
             key = lru_chunk(k)
             if pinned_too or not t.pinned(key):
                 yield key
@@ -164,12 +182,7 @@ class Evictor:
     def _retired_victims(self, t: Txn, tier: int, pinned_too: bool = False) -> Iterator[bytes]:
         """Unpinned chunks of retired namespaces in ``tier``."""
         for nid in sorted(self.retired(t)):
-            cur = t.raw.cursor(db=self.index.chunks)
-            if not cur.set_range(nid):
-                continue
-            for k, v in cur:
-                if not bytes(k).startswith(nid):
-                    break
+            for k, v in t.rows("chunks", nid):
                 if v[ENTRY_TIER_OFFSET] != tier:
                     continue
                 key = bytes(k)
@@ -191,7 +204,7 @@ class Evictor:
                     continue
                 e = Entry.read(raw)
                 if e is None:  # a damaged entry: forget it (verify --fix recounts what it counted)
-                    t.raw.delete(key, db=self.index.chunks)
+                    t.delete("chunks", key)
                     t.forget_prefix(key)
                     n += 1
                     gone.append(key)

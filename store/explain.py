@@ -50,9 +50,9 @@ _DROPPED = {"queue-full": "the engine's save queue was full (the disk did not ke
             "failed": "the write failed"}
 
 
-def when(t: float) -> str:
-    """A time for a sentence: local date and time, and how long ago."""
-    ago = max(0.0, time.time() - t)
+def when(t: float, now: float) -> str:
+    """A time for a sentence: local date and time, and how long ago (it is ``now``)."""
+    ago = max(0.0, now - t)
     if ago < 120:
         rel = f"{ago:.0f} s ago"
     elif ago < 7200:
@@ -114,14 +114,10 @@ def holders(index: Index, prefix: bytes) -> list[bytes]:
     if not index.has_events:
         return out
     with index.read() as t:
-        cur = t.raw.cursor(db=index.prefixes)
-        if cur.set_range(lo):
-            for k, v in cur:
-                if not bytes(k).startswith(lo):
-                    break
-                key = bytes(v)
-                if t.entry_raw(key) is not None:
-                    out.append(key)
+        for _k, v in t.rows("prefixes", lo):
+            key = bytes(v)
+            if t.entry_raw(key) is not None:
+                out.append(key)
     return out
 
 
@@ -138,12 +134,13 @@ def _remote_unavailable(sharing: Sharing | None, key: bytes) -> bool:
     return (after.errors + after.short_circuited) > (before.errors + before.short_circuited)
 
 
-def _event_sentence(ev: dict[str, Any], remote_down: bool = False, no_remote: bool = False) -> tuple[str, str]:
-    """The reason code and sentence of a logged event about a chunk (``remote_down``: the
+def _event_sentence(ev: dict[str, Any], now: float, remote_down: bool = False,
+                    no_remote: bool = False) -> tuple[str, str]:
+    """The reason code and sentence of a logged event about a chunk, at ``now`` (``remote_down``: the
     remote tier did not answer, so whether it still holds a moved chunk is unknown;
     ``no_remote``: the store's settings have no remote tier any more)."""
     kind, why = str(ev.get("kind")), str(ev.get("reason"))
-    at = when(float(ev.get("time", 0)))
+    at = when(float(ev.get("time", 0)), now)
     who = f", uid {ev['uid']}" if ev.get("uid") is not None else ""
     tier = ev.get("tier") or "?"
     if kind == "evict":
@@ -215,14 +212,14 @@ def explain_miss(store: Store, ns: Namespace, tokens: Sequence[int], found: Look
         details["remote"] = {"url": sharing.url, "breaker": sharing.tier.breaker.state}
         local = ""
         if ev is not None:
-            local = "; locally, " + _event_sentence(ev, remote_down=True)[1]
+            local = "; locally, " + _event_sentence(ev, index.clock.time(), remote_down=True)[1]
         state = sharing.tier.breaker.state
         why = "its circuit breaker is open" if state == "open" else "the call failed or timed out"
         return Explanation(i, i * cs, key, "remote-unavailable",
                            f"{where} misses: the remote tier ({sharing.url}) does not answer ({why}), and it may "
                            f"hold the chunk{local}", details)
     if ev is not None:
-        code, text = _event_sentence(ev, no_remote=sharing is None)
+        code, text = _event_sentence(ev, index.clock.time(), no_remote=sharing is None)
         also = f"; the same tokens are stored for {best.what}" if best is not None else ""
         return Explanation(i, i * cs, key, code, f"{where} misses: {text}{also}", details)
     if best is not None:

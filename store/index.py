@@ -1,28 +1,8 @@
 """The index: LMDB's sub-databases, the records kept in them, their keys, and transactions.
 
-This module is the only one that knows how the index is laid out. Sub-databases:
-
-==========  ==========================================  =====================================
-name        key                                         value
-==========  ==========================================  =====================================
-meta        ``config``, ``format_version``, ``salt_key``  settings JSON, version, salt key
-            ``c:<name>``                                counter (u64 little-endian)
-chunks      chunk key (48 bytes)                        ``Entry`` (packed, then layout JSON)
-lru         tier id (1) + access time ns (BE u64) + key  empty
-locs        segment id (BE u64) + offset (BE u64)       chunk key
-segs        segment id (BE u64)                         ``SegmentRecord``
-pins        chunk key                                   refs (u32), reserved bytes (u64)
-labels      label + NUL + chunk key                     pin time (BE u64)
-namespaces  namespace id (16 bytes)                     namespace record JSON
-prefixes    ``p`` + prefix id (16) + namespace id (16)  chunk key: which namespaces hold a
-            ``k`` + chunk key                           token prefix, and back (explain)
-events      (see ``store/events.py``)                   the bounded event log
-keylabels   chunk key + label                           empty (the labels pinning a key)
-counts      ``n`` + namespace id + tier (1)             ``Counts`` of the namespace's chunks in
-                                                        the tier (packed u64s)
-            ``l`` + label + NUL + namespace id + tier   ``Counts`` of the label's stored chunks
-            ``k`` + label                               keys the label pins (u64), stored or not
-==========  ==========================================  =====================================
+This module is the only one that opens LMDB and reads or writes it: every other part goes
+through a ``Txn`` (named records such as ``Txn.entry`` and ``Txn.pin_label``, or rows of a
+sub-database named in ``store/schema.py``, which declares every sub-database and key).
 
 ``counts`` is kept in step with ``chunks`` by the same transactions (``Txn.index_entry``,
 ``unindex_entry``, ``pin_label``, ``unpin_label``), so operator statistics never scan the
@@ -57,18 +37,38 @@ import logging
 import os
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lmdb
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import CorruptEntry, IndexReopened, IndexWriteError, ReadOnlyError, StoreError, is_read_only
 from .private import DIR_MODE
+from .schema import (  # noqa: F401 (the key builders are the index's too)
+    COUNT_LABEL,
+    COUNT_LABEL_KEYS,
+    COUNT_NS,
+    DB_NAMES,
+    DbName,
+    counter_key,
+    keylabel_key,
+    label_count_key,
+    label_key,
+    label_keys_key,
+    loc_key,
+    lru_chunk,
+    lru_key,
+    ns_count_key,
+    prefix_back,
+    prefix_row,
+    seg_id,
+    seg_key,
+)
 from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 from .types import Origin
 
@@ -110,53 +110,6 @@ _COUNTS = struct.Struct("<6Q")
 _BE64 = struct.Struct(">Q")
 
 
-# -- keys --------------------------------------------------------------------------
-def seg_key(sid: int) -> bytes:
-    return _BE64.pack(sid)
-
-
-def seg_id(k: bytes | memoryview) -> int:
-    return int(_BE64.unpack(bytes(k[:8]))[0])
-
-
-def loc_key(sid: int, off: int) -> bytes:
-    return _BE64.pack(sid) + _BE64.pack(off)
-
-
-def lru_key(tier: int, last_access: float, key: bytes) -> bytes:
-    return bytes([tier]) + _BE64.pack(int(last_access * 1e9)) + key
-
-
-def lru_chunk(k: bytes | memoryview) -> bytes:
-    """The chunk key inside an ``lru`` key."""
-    return bytes(k[9:])
-
-
-def label_key(label: bytes, key: bytes = b"") -> bytes:
-    return label + b"\0" + key
-
-
-def prefix_row(prefix: bytes, key: bytes = b"") -> bytes:
-    """A ``prefixes`` row: token prefix id, then the namespace id of a chunk that ends it
-    (``key``'s first 16 bytes; none: the start of the prefix's rows)."""
-    return b"p" + prefix + key[:16]
-
-
-def prefix_back(key: bytes) -> bytes:
-    """The ``prefixes`` row that gives a chunk's prefix id back."""
-    return b"k" + key
-def ns_count_key(nid: bytes, tier: int) -> bytes:
-    return b"n" + nid + bytes([tier])
-
-
-def label_count_key(label: bytes, nid: bytes, tier: int) -> bytes:
-    return b"l" + label + b"\0" + nid + bytes([tier])
-
-
-def label_keys_key(label: bytes) -> bytes:
-    return b"k" + label
-
-
 def pack_counts(c: tuple[int, ...] | list[int]) -> bytes:
     return _COUNTS.pack(*c)
 
@@ -168,10 +121,6 @@ def unpack_counts(raw: bytes | memoryview) -> tuple[int, ...]:
 def entry_delta(e: Entry, pinned: bool) -> tuple[int, int, int, int, int, int]:
     """What one chunk adds to a ``counts`` record."""
     return (1, e.stored_len, e.rec_len) + ((1, e.stored_len, e.rec_len) if pinned else (0, 0, 0))
-
-
-def counter_key(name: str) -> bytes:
-    return b"c:" + name.encode()
 
 
 def pack_u64(v: int) -> bytes:
@@ -329,6 +278,12 @@ def trailer_mismatch(key: bytes, e: Entry, trailer: RecordTrailer) -> str | None
     return None
 
 
+def _successor(prefix: bytes) -> bytes | None:
+    """The least key greater than every key that starts with ``prefix`` (None: there is none)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes([p[-1] + 1]) if p else None
+
+
 class _MapGrown(IndexWriteError):
     """A write transaction found the map full; it was aborted and the map has grown."""
 
@@ -349,6 +304,67 @@ class Txn:
 
     def on_abort(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
+
+    # rows of a sub-database named in store/schema.py (keys built there)
+    def get(self, db: DbName, key: bytes) -> bytes | None:
+        """The value of ``key`` in ``db`` (None: absent). A copy: it outlives the transaction."""
+        raw = self.raw.get(key, db=self.index.db(db))
+        return None if raw is None else bytes(raw)
+
+    def put(self, db: DbName, key: bytes, value: bytes) -> None:
+        self.raw.put(key, value, db=self.index.db(db))
+
+    def delete(self, db: DbName, key: bytes) -> bool:
+        """Remove ``key`` from ``db``; whether it was there."""
+        return bool(self.raw.delete(key, db=self.index.db(db)))
+
+    def rows(self, db: DbName, prefix: bytes = b"", *, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """The (key, value) rows of ``db`` whose key starts with ``prefix``, in key order, from
+        ``start`` (a key at or after ``prefix``) when given."""
+        cur = self.raw.cursor(db=self.index.db(db))
+        if start is None and not prefix:  # transactions hand out bytes (buffers=False)
+            return cast("Iterator[tuple[bytes, bytes]]", iter(cur))
+        return self._prefixed(cur, prefix, start, True)
+
+    def keys(self, db: DbName, prefix: bytes = b"", *, start: bytes | None = None) -> Iterator[bytes]:
+        """The keys of ``db`` that start with ``prefix``, in key order (see ``rows``)."""
+        cur = self.raw.cursor(db=self.index.db(db))
+        if start is None and not prefix:
+            return cast("Iterator[bytes]", cur.iternext(values=False))
+        return self._prefixed(cur, prefix, start, False)
+
+    @staticmethod
+    def _prefixed(cur: Any, prefix: bytes, start: bytes | None, values: bool) -> Iterator[Any]:
+        if not cur.set_range(prefix if start is None else start):
+            return
+        for row in cur.iternext(values=values):
+            k = row[0] if values else row
+            if k[: len(prefix)] != prefix:
+                return
+            yield row
+
+    def rows_newest_first(self, db: DbName, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The rows of ``db`` whose key starts with ``prefix`` (not empty), in reverse key order."""
+        cur = self.raw.cursor(db=self.index.db(db))
+        upper = _successor(prefix)
+        ok = cur.prev() if upper is not None and cur.set_range(upper) else cur.last()
+        while ok:
+            k = cast(bytes, cur.key())
+            if k[: len(prefix)] != prefix:
+                if k < prefix:
+                    return
+                ok = cur.prev()
+                continue
+            yield k, cast(bytes, cur.value())
+            ok = cur.prev()
+
+    def entries(self, db: DbName) -> int:
+        """How many rows ``db`` holds."""
+        return int(self.raw.stat(self.index.db(db))["entries"])
+
+    def clear(self, db: DbName) -> None:
+        """Remove every row of ``db``."""
+        self.raw.drop(self.index.db(db), delete=False)
 
     def _aborted(self) -> None:
         for fn in reversed(self._undo):
@@ -530,8 +546,8 @@ class Txn:
         lk = label_key(label, key)
         if self.raw.get(lk, db=self.index.labels) is not None:
             return False
-        self.raw.put(lk, _BE64.pack(int(time.time())), db=self.index.labels)
-        self.raw.put(key + label, b"", db=self.index.keylabels)
+        self.raw.put(lk, _BE64.pack(int(self.index.clock.time())), db=self.index.labels)
+        self.raw.put(keylabel_key(key, label), b"", db=self.index.keylabels)
         self._bump_u64(label_keys_key(label), 1)
         refs, reserved = self.pin(key)
         e = self.entry(key)
@@ -551,7 +567,7 @@ class Txn:
         """Drop ``label``'s pin on ``key`` (False: it had none)."""
         if not self.raw.delete(label_key(label, key), db=self.index.labels):
             return False
-        self.raw.delete(key + label, db=self.index.keylabels)
+        self.raw.delete(keylabel_key(key, label), db=self.index.keylabels)
         self._bump_u64(label_keys_key(label), -1)
         e = self.entry(key)
         if e is not None:
@@ -601,8 +617,16 @@ class Txn:
 class Index:
     """The LMDB environment of a store and its sub-databases."""
 
-    def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None]) -> None:
+    def __init__(self, path: str, readonly: bool, remove_files: Callable[[list[tuple[str, int]]], None], *,
+                 event_log_max: Callable[[], int] | None = None, readonly_reason: str | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        """Open the environment at ``path``. ``remove_files`` removes the segment files a
+        commit forgot; ``event_log_max`` bounds the event log ``Txn.event`` writes to (None:
+        the index keeps none, e.g. an index opened on its own); ``readonly_reason`` says why
+        an index opened ``readonly`` is (default: it was asked to be); ``clock``: what
+        pin times and event times are read from."""
         self.path = path
+        self.clock = clock
         self.readonly = readonly
         self.remove_files = remove_files
         self._pid = os.getpid()
@@ -620,7 +644,7 @@ class Index:
             except (OSError, AttributeError):
                 pass
         #: why nothing can be written (None: it can): an open read-only, or the filesystem refused
-        self.readonly_reason: str | None = "the store was opened read-only" if readonly else None
+        self.readonly_reason: str | None = (readonly_reason or "the store was opened read-only") if readonly else None
         try:
             self.env = self._open()
         except lmdb.Error as exc:
@@ -631,8 +655,13 @@ class Index:
                              "damaged, stop every process that uses the store and move that folder aside: the "
                              "next open rebuilds it from the segment files and the metadata journal") from None
         self._open_dbs()
-        #: what ``Txn.event`` writes to (the store sets it; see store/events.py)
+        #: what ``Txn.event`` writes to (see store/events.py); the log and the index it lives
+        #: in are made together, so neither is wired to the other afterwards
         self.event_log: EventLog | None = None
+        if event_log_max is not None:
+            from .events import EventLog  # events.py builds on this module
+
+            self.event_log = EventLog(self, event_log_max)
 
     def _open_dbs(self) -> None:
         self.meta = self.env.open_db(b"meta")
@@ -648,6 +677,16 @@ class Index:
         (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
         (self.announce,), self.has_announce = self._later_dbs(b"announce")
+        self._dbs: dict[str, Any] = {
+            "meta": self.meta, "chunks": self.chunks, "lru": self.lru, "locs": self.locs, "segs": self.segs,
+            "pins": self.pins, "labels": self.labels, "namespaces": self.ns, "prefixes": self.prefixes,
+            "events": self.events, "keylabels": self.keylabels, "counts": self.counts,
+            "announce": self.announce}
+        assert tuple(self._dbs) == DB_NAMES
+
+    def db(self, name: DbName) -> Any:
+        """The handle of the sub-database ``name`` (for ``Txn``)."""
+        return self._dbs[name]
 
     def _later_dbs(self, *names: bytes) -> tuple[list[Any], bool]:
         """Open sub-databases a writable open creates; read-only, missing ones stand in as

@@ -23,16 +23,18 @@ from __future__ import annotations
 import json
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from .clock import SYSTEM_CLOCK, Clock
+from .schema import METRIC_CELL, METRIC_GAUGE
 
 #: upper bounds (seconds) of the latency histograms' buckets
 SECONDS_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                       2.5, 5.0, 10.0)
-PREFIX = b"m:"
-#: gauges (a process's current value, e.g. an engine's save queue) are kept apart: ``g:``
-GAUGE_PREFIX = b"g:"
+#: where the cells live in the index's meta sub-database (store/schema.py); gauges (a process's
+#: current value, e.g. an engine's save queue) are kept apart
+PREFIX, GAUGE_PREFIX = METRIC_CELL, METRIC_GAUGE
 #: a gauge whose value did not change is written again after this long, so readers that take
 #: values younger than a minute still see it
 GAUGE_REFRESH_S = 20.0
@@ -79,7 +81,8 @@ class Meter:
     """Pending deltas (and gauge values) of this process, until the store writes them to its
     index."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock  # when a gauge is set
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, Labels], float] = {}
         self._hists: dict[tuple[str, Labels], list[float]] = {}
@@ -91,7 +94,7 @@ class Meter:
         less than ``GAUGE_REFRESH_S`` ago is not written again (an idle process does not
         write every second); returns whether it will be written."""
         k = (name, _labels(labels))
-        now = time.time()
+        now = self._clock.time()
         with self._lock:
             last = self._gauge_last.get(k)
             if last is not None and last[0] == value and now - last[1] < GAUGE_REFRESH_S:
@@ -178,9 +181,12 @@ def put_gauges(put: Callable[[bytes, bytes], object], gauges: dict[tuple[str, La
         put(cell_key(name, labels, GAUGE_PREFIX), struct.pack("<dd", value, at))
 
 
-def parse_gauges(items: Iterable[tuple[bytes, bytes]], max_age_s: float | None = None) -> list[Gauge]:
-    """Gauges from (key, value) pairs that start with ``GAUGE_PREFIX``, set within ``max_age_s``."""
-    now = time.time()
+def parse_gauges(items: Iterable[tuple[bytes, bytes]], max_age_s: float | None = None,
+                 now: float | None = None) -> list[Gauge]:
+    """Gauges from (key, value) pairs that start with ``GAUGE_PREFIX``, set within ``max_age_s``
+    of ``now`` (default: the machine's time)."""
+    if now is None:
+        now = SYSTEM_CLOCK.time()
     out = []
     for key, raw in items:
         try:

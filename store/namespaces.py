@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .errors import StoreError
 from .index import Index, Txn
 from .keys import Namespace, NamespaceRecord
 from .private import SALT_KEY_BYTES, salt_digest
+from .schema import META_SALT_KEY
 
 log = logging.getLogger("lmctl.store")
 
@@ -25,8 +26,10 @@ log = logging.getLogger("lmctl.store")
 class Namespaces:
     """The ``namespaces`` sub-database and the store's salt key."""
 
-    def __init__(self, index: Index, path: str, journal_add: Callable[..., None]) -> None:
+    def __init__(self, index: Index, path: str, journal_add: Callable[..., None],
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock
         self.path = path
         self._journal_add = journal_add
         self.salt_key: bytes | None = None
@@ -37,28 +40,28 @@ class Namespaces:
         digests hold the salt itself: they are rewritten here, once."""
         if self.index.readonly:
             with self.index.read() as t:
-                raw = t.raw.get(b"salt_key", db=self.index.meta)
+                raw = t.get("meta", META_SALT_KEY)
             self.salt_key = None if raw is None else bytes(raw)
             return
         made: list[bytes] = []
 
         def fn(t: Txn) -> tuple[bytes, int]:
-            raw = t.raw.get(b"salt_key", db=self.index.meta)
+            raw = t.get("meta", META_SALT_KEY)
             if raw is not None:
                 key = bytes(raw)
             else:
                 key = bytes.fromhex(restored) if restored else os.urandom(SALT_KEY_BYTES)
-                t.raw.put(b"salt_key", key, db=self.index.meta)
+                t.put("meta", META_SALT_KEY, key)
                 made.append(key)
             legacy = []
-            for k, v in t.raw.cursor(db=self.index.ns):
+            for k, v in t.rows("namespaces"):
                 doc = json.loads(bytes(v))
                 if "cache_salt" in doc.get("namespace", {}):
                     legacy.append((bytes(k), doc))
             for k, doc in legacy:
                 salt = doc["namespace"].pop("cache_salt")
                 doc["namespace"]["salt_digest"] = None if salt is None else salt_digest(key, salt)
-                t.raw.put(k, json.dumps(doc, sort_keys=True).encode(), db=self.index.ns)
+                t.put("namespaces", k, json.dumps(doc, sort_keys=True).encode())
             return key, len(legacy)
 
         key, migrated = self.index.write(fn, durable=True)
@@ -80,10 +83,10 @@ class Namespaces:
     def register(self, ns: Namespace, info: dict[str, Any] | None = None) -> bytes:
         """Record ``ns`` (and facts such as the tokenizer source); see ``Store.register_namespace``."""
         doc: dict[str, Any] = {"namespace": ns.record(self.salt_digest(ns.cache_salt)), "info": info or {},
-                               "updated": time.time()}
+                               "updated": self.clock.time()}
 
         def fn(t: Txn) -> bool:
-            old = t.raw.get(ns.ns_id, db=self.index.ns)
+            old = t.get("namespaces", ns.ns_id)
             changed = old is None
             if old is not None:
                 prev = json.loads(bytes(old))
@@ -94,7 +97,7 @@ class Namespaces:
                     return False
                 doc["info"] = {**prev.get("info", {}), **doc["info"]}
                 changed = doc["info"] != prev.get("info") or doc["namespace"] != prev.get("namespace")
-            t.raw.put(ns.ns_id, json.dumps(doc, sort_keys=True).encode(), db=self.index.ns)
+            t.put("namespaces", ns.ns_id, json.dumps(doc, sort_keys=True).encode())
             return changed
 
         if self.index.write(fn, durable=True):
@@ -106,13 +109,13 @@ class Namespaces:
 
         def fn(t: Txn) -> None:
             for nid, doc in docs.items():
-                t.raw.put(bytes.fromhex(nid), json.dumps(doc, sort_keys=True).encode(), db=self.index.ns)
+                t.put("namespaces", bytes.fromhex(nid), json.dumps(doc, sort_keys=True).encode())
 
         self.index.write(fn)
 
     def all(self) -> dict[bytes, dict[str, Any]]:
         with self.index.read() as t:
-            return {bytes(k): json.loads(bytes(v)) for k, v in t.raw.cursor(db=self.index.ns)}
+            return {bytes(k): json.loads(bytes(v)) for k, v in t.rows("namespaces")}
 
     def parsed(self) -> dict[bytes, tuple[NamespaceRecord, dict[str, Any]]]:
         out = {}
@@ -127,7 +130,7 @@ class Namespaces:
         """Namespaces of a superseded model fingerprint (see ``Store.retired_namespaces``)."""
         last: dict[tuple[str, str | None], float] = {}
         owners: dict[tuple[str, str | None], list[bytes]] = {}
-        for k, v in t.raw.cursor(db=self.index.ns):
+        for k, v in t.rows("namespaces"):
             try:
                 doc = json.loads(bytes(v))
                 nsd = doc.get("namespace", {})
@@ -141,6 +144,6 @@ class Namespaces:
         for (model, fp), updated in last.items():
             if model not in current or updated > current[model][0]:
                 current[model] = (updated, fp)
-        cutoff = time.time() - retire_after_s
+        cutoff = self.clock.time() - retire_after_s
         return {nid for (model, fp), updated in last.items() if fp != current[model][1] and updated < cutoff
                 for nid in owners[(model, fp)]}

@@ -78,13 +78,7 @@ class Pins:
 
         def fn(t: Txn) -> int:
             if keys is None:
-                cur = t.raw.cursor(db=self.index.labels)
-                targets = []
-                if cur.set_range(lb):
-                    for k in cur.iternext(values=False):
-                        if not bytes(k).startswith(lb):
-                            break
-                        targets.append(bytes(k[len(lb):]))
+                targets = [k[len(lb):] for k in t.keys("labels", lb)]
             else:
                 targets = list(keys)
             removed = 0
@@ -109,13 +103,10 @@ class Pins:
         lb = label_key(label.encode())
         out: list[bytes] = []
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.labels)
-            if not cur.set_range(lb + after):
-                return out
-            for k in cur.iternext(values=False):
-                if not bytes(k[: len(lb)]) == lb or len(out) >= limit:
+            for k in t.keys("labels", lb, start=lb + after):
+                if len(out) >= limit:
                     break
-                key = bytes(k[len(lb):])
+                key = k[len(lb):]
                 if key != after:
                     out.append(key)
         return out
@@ -131,7 +122,7 @@ class Pins:
     def labels(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
         with self.index.read() as t:
-            for k in t.raw.cursor(db=self.index.labels).iternext(values=False):
-                label, _, key = bytes(k).partition(b"\0")
+            for k in t.keys("labels"):
+                label, _, key = k.partition(b"\0")
                 out.setdefault(label.decode(), []).append(key)
         return out

@@ -15,10 +15,10 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, max_encoded
 from .config import TIER_NAMES, StoreConfig
 from .errors import CorruptEntry, IndexReopened, StoreError
@@ -39,6 +39,7 @@ from .index import (
 )
 from .keys import DTYPE_SIZES, Namespace, NamespaceRecord, short_key
 from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
+from .schema import COUNT_LABEL, COUNT_LABEL_KEYS, COUNT_NS
 from .segment import CorruptRecord, RecordTrailer, SegmentGone
 from .space import TierState
 from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
@@ -98,8 +99,10 @@ class Reads:
 
     def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
                  codec: Callable[[], Codec], forget_segment: Callable[[TierState, int], object],
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, before_flush: Sequence[Callable[[Meter], None]] = (),
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock  # access times, and when the access log is due
         self.tiers = tiers
         self._config = config
         self._codec = codec
@@ -108,15 +111,15 @@ class Reads:
         self._access: dict[bytes, tuple[float, int]] = {}
         self._chunk_bytes: dict[bytes, int] = {}  # namespace id -> its chunk's raw bytes (read_bound)
         self._counts = {"hits": 0, "misses": 0}
-        self._last_flush = time.monotonic()
+        self._last_flush = clock.monotonic()
         #: this process's pending metric deltas (store/metrics.py), written with the access log
-        self.meter = Meter()
+        self.meter = Meter(clock)
         self._timer: threading.Timer | None = None
         self._flushing = False  # a timed flush is under way (at most one: it may be stalled by the disk)
         self._flushed = threading.Condition(lock)  # notified when a timed flush ends
         self._stopped = False  # the store is closing: no more timed flushes
         #: called at the start of every flush (to add what others count, e.g. the remote tier's calls)
-        self.before_flush: list[Callable[[Meter], None]] = []
+        self.before_flush: tuple[Callable[[Meter], None], ...] = tuple(before_flush)
 
     # -- the index only ----------------------------------------------------------------
     def info(self, key: bytes) -> ChunkInfo | None:
@@ -152,12 +155,9 @@ class Reads:
         least recently used first (the LRU order; one read transaction)."""
         out: list[bytes] = []
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.lru)
-            if not cur.set_range(lru_key(tier, 0.0, b"")):
-                return out
             end = lru_key(tier, before, b"")
-            for k in cur.iternext(values=False):
-                if bytes(k) >= end or len(out) >= limit:
+            for k in t.keys("lru", bytes([tier]), start=lru_key(tier, 0.0, b"")):
+                if k >= end or len(out) >= limit:
                     break
                 key = lru_chunk(k)
                 raw = t.entry_raw(key)
@@ -184,16 +184,16 @@ class Reads:
         out = StoreCounts()
         if not self.index.has_counts:
             return self._count_by_scan(t)
-        for k, v in t.raw.cursor(db=self.index.counts):
+        for k, v in t.rows("counts"):
             kind = k[:1]
-            if kind == b"k":
+            if kind == COUNT_LABEL_KEYS:
                 out.label_keys[bytes(k[1:]).decode(errors="replace")] = int.from_bytes(v[:8], "little")
                 continue
             nid, tier = bytes(k[-17:-1]), TIER_NAMES.get(k[-1], str(k[-1]))
             c = Counts(*unpack_counts(v))
-            if kind == b"n":
+            if kind == COUNT_NS:
                 out.namespaces.setdefault(nid, {})[tier] = c
-            elif kind == b"l":
+            elif kind == COUNT_LABEL:
                 label = bytes(k[1:-18]).decode(errors="replace")
                 out.labels.setdefault(label, {}).setdefault(nid, {})[tier] = c
         return out
@@ -201,7 +201,7 @@ class Reads:
     def _count_by_scan(self, t: Txn) -> StoreCounts:
         """Counts taken from the entries (a format-1 store opened read-only keeps none)."""
         out = StoreCounts()
-        for k, v in t.raw.cursor(db=self.index.chunks):
+        for k, v in t.rows("chunks"):
             e = Entry.read(v)
             if e is None:
                 continue
@@ -209,8 +209,8 @@ class Reads:
             pinned = t.pinned(key)
             c = out.namespaces.setdefault(key[:16], {}).setdefault(e.tier_name, Counts())
             c.add(Counts(*entry_delta(e, pinned)))
-        for k in t.raw.cursor(db=self.index.labels).iternext(values=False):
-            label_b, _, key = bytes(k).partition(b"\0")
+        for k in t.keys("labels"):
+            label_b, _, key = k.partition(b"\0")
             label = label_b.decode(errors="replace")
             out.label_keys[label] = out.label_keys.get(label, 0) + 1
             e = t.entry(key)
@@ -231,19 +231,16 @@ class Reads:
             page: list[ChunkInfo] = []
             seen = 0
             with self.index.read() as t:
-                cur = t.raw.cursor(db=self.index.chunks)
-                if cur.set_range(start):
-                    for k, v in cur:
-                        key = bytes(k)
-                        if key == last:
-                            continue
-                        if not key.startswith(prefix) or seen >= PAGE:
-                            break
-                        seen += 1
-                        last = key
-                        e = Entry.read(v)
-                        if e is not None:
-                            page.append(chunk_info(key, e, t.pin(key)[0]))
+                for key, v in t.rows("chunks", start=start):
+                    if key == last:
+                        continue
+                    if not key.startswith(prefix) or seen >= PAGE:
+                        break
+                    seen += 1
+                    last = key
+                    e = Entry.read(v)
+                    if e is not None:
+                        page.append(chunk_info(key, e, t.pin(key)[0]))
             yield from page
             if seen < PAGE or last is None:
                 return
@@ -267,7 +264,7 @@ class Reads:
         if known is not None:
             return known
         with self.index.read() as t:
-            raw = t.raw.get(nid, db=self.index.ns)
+            raw = t.get("namespaces", nid)
         if raw is None:
             return None
         try:
@@ -426,7 +423,7 @@ class Reads:
         with self.lock:
             prev = self._access.get(key)
             if prev is not None or len(self._access) < MAX_PENDING:
-                self._access[key] = (time.time(), (prev[1] if prev else 0) + 1)
+                self._access[key] = (self.clock.time(), (prev[1] if prev else 0) + 1)
             self._counts["hits"] += 1
             self._schedule()
 
@@ -442,7 +439,7 @@ class Reads:
         waiting or running (hold ``self.lock``)."""
         if self._timer is not None or self._flushing or self._stopped or self.index.closed:
             return
-        wait = max(0.0, self._config().access_flush_s - (time.monotonic() - self._last_flush))
+        wait = max(0.0, self._config().access_flush_s - (self.clock.monotonic() - self._last_flush))
         self._timer = threading.Timer(wait, self._timed_flush)
         self._timer.daemon = True
         self._timer.start()
@@ -475,7 +472,7 @@ class Reads:
 
     def _collect(self) -> None:
         """Have the ``before_flush`` hooks add what others counted to the meter."""
-        for hook in list(self.before_flush):
+        for hook in self.before_flush:
             try:
                 hook(self.meter)
             except Exception:  # a metric source must never stop the access log
@@ -492,7 +489,7 @@ class Reads:
         with self.lock:
             pending, self._access = self._access, {}
             counts, self._counts = self._counts, {"hits": 0, "misses": 0}
-            self._last_flush = time.monotonic()
+            self._last_flush = self.clock.monotonic()
             metric_counts, metric_hists = self.meter.take()
             gauges = self.meter.take_gauges()
         if self.index.readonly or (not pending and not any(counts.values()) and not metric_counts
@@ -505,10 +502,8 @@ class Reads:
             for k, v in counts.items():
                 if v:
                     t.add(k, v)
-            meta = self.index.meta
-            add_to_cells(lambda k: t.raw.get(k, db=meta), lambda k, v: t.raw.put(k, v, db=meta),
-                         metric_counts, metric_hists)
-            put_gauges(lambda k, v: t.raw.put(k, v, db=meta), gauges)
+            add_to_cells(lambda k: t.get("meta", k), lambda k, v: t.put("meta", k, v), metric_counts, metric_hists)
+            put_gauges(lambda k, v: t.put("meta", k, v), gauges)
 
         try:
             self.index.write(fn)
@@ -530,15 +525,8 @@ class Reads:
         pending values included."""
         rows = dict(self._meta_rows(GAUGE_PREFIX))
         put_gauges(rows.__setitem__, self.meter.peek()[2])
-        return parse_gauges(sorted(rows.items()), max_age_s)
+        return parse_gauges(sorted(rows.items()), max_age_s, self.clock.time())
 
     def _meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         with self.index.read() as t:
-            cur = t.raw.cursor(db=self.index.meta)
-            items = []
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not bytes(k).startswith(prefix):
-                        break
-                    items.append((bytes(k), bytes(v)))
-        return items
+            return list(t.rows("meta", prefix))

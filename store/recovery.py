@@ -17,10 +17,10 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES
 from .config import TIER_NAMES
 from .errors import StoreError
@@ -49,6 +49,7 @@ from .keys import KEY_BYTES, short_key
 from .namespaces import Namespaces
 from .pins import Pins
 from .private import TIER_MARKER, UnsafePath, marked_id, read_marker, write_marker
+from .schema import META_FORMAT, keylabel_key
 from .segment import ALIGN, CorruptRecord, ForeignSegment, SegmentGone, segment_name
 from .space import Space, TierState
 from .types import Problem
@@ -67,8 +68,9 @@ class Recovery:
     """Seals, forgets, removes, checks, recounts and rebuilds."""
 
     def __init__(self, index: Index, space: Space, path: str, lock: threading.RLock,
-                 store_id: str | None = None) -> None:
+                 store_id: str | None = None, *, rebooted: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock
         self.space = space
         self.tiers = space.tiers
         self.path = path
@@ -76,7 +78,7 @@ class Recovery:
         #: this store's id (None: a store of an earlier version, opened read-only)
         self.store_id = store_id
         #: the machine rebooted since the store was last opened for writing (its tmpfs is new)
-        self.rebooted = False
+        self.rebooted = rebooted
 
     # -- tier folders --------------------------------------------------------------------
     def mark_tiers(self, segs: list[tuple[int, SegmentRecord]]) -> None:
@@ -353,7 +355,7 @@ class Recovery:
                 for k in unreadable:
                     raw = t.entry_raw(k)
                     if raw is not None and entry_head(raw) is None:
-                        t.raw.delete(k, db=self.index.chunks)
+                        t.delete("chunks", k)
                         t.forget_prefix(k)
                         t.add("corrupt", 1)
                         t.event("corrupt", "bad-entry", [k], detail="dropped by verify --fix")
@@ -407,17 +409,15 @@ class Recovery:
         while True:
             page: list[tuple[bytes, Entry]] = []
             with self.index.read() as t:
-                cur = t.raw.cursor(db=self.index.chunks)
-                if cur.set_range(after):
-                    for k, v in cur:
-                        if k == after:
-                            continue
-                        if len(page) >= DEEP_PAGE:
-                            break
-                        e = Entry.read(v)
-                        after = bytes(k)
-                        if e is not None:
-                            page.append((after, e))
+                for k, v in t.rows("chunks", start=after):
+                    if k == after:
+                        continue
+                    if len(page) >= DEEP_PAGE:
+                        break
+                    e = Entry.read(v)
+                    after = k
+                    if e is not None:
+                        page.append((after, e))
             if not page:
                 return bad
             for key, e in page:
@@ -504,13 +504,11 @@ class Recovery:
                     suspects.append((keys[i], "missing-file" if int(seg[i]) in segs else "dangling-entry"))
             # pinned: the pins of this page's key range (few, as a rule)
             pinned_keys: set[bytes] = set()
-            cur = t.raw.cursor(db=idx.pins)
-            if cur.set_range(keys[0]):
-                for pk, pv in cur:
-                    if bytes(pk) > keys[-1]:
-                        break
-                    if unpack_pin(pv)[0] > 0:
-                        pinned_keys.add(bytes(pk))
+            for pk, pv in t.rows("pins", start=keys[0]):
+                if pk > keys[-1]:
+                    break
+                if unpack_pin(pv)[0] > 0:
+                    pinned_keys.add(pk)
             pinned = (np.fromiter((k in pinned_keys for k in keys), dtype=bool, count=n) if pinned_keys
                       else np.zeros(n, dtype=bool)) & ok
             # segments' live bytes and records
@@ -548,9 +546,9 @@ class Recovery:
                     for m in range(6):
                         acc[m] += d[m]
 
-        entries = iter(t.raw.cursor(db=idx.chunks))  # read transactions hand out bytes (buffers=False)
+        entries = t.rows("chunks")
         while True:
-            batch: list[tuple[bytes, bytes]] = list(itertools.islice(entries, TALLY_PAGE))  # type: ignore[arg-type]
+            batch: list[tuple[bytes, bytes]] = list(itertools.islice(entries, TALLY_PAGE))
             if not batch:
                 break
             keys, vals = zip(*batch, strict=True)
@@ -572,16 +570,16 @@ class Recovery:
                 want[f"live:{tn}"] = want.get(f"live:{tn}", 0) + c[2]
                 want[f"pinned:{tn}"] = want.get(f"pinned:{tn}", 0) + c[5]
         reserved = 0
-        for i, (pk, v) in enumerate(t.raw.cursor(db=idx.pins)):
+        for i, (pk, v) in enumerate(t.rows("pins")):
             refs, r = unpack_pin(v)
-            if refs and t.entry_raw(bytes(pk)) is None:
+            if refs and t.entry_raw(pk) is None:
                 reserved += r
             if i % 1024 == 1023:
                 idx.release_pages()  # each lookup maps a page and its neighbours
         want["pin_reserved"] = reserved
         label_keys: dict[bytes, int] = {}
-        for lk in t.raw.cursor(db=idx.labels).iternext(values=False):
-            label, _, _key = bytes(lk).partition(b"\0")
+        for lk in t.keys("labels"):
+            label, _, _key = lk.partition(b"\0")
             label_keys[label] = label_keys.get(label, 0) + 1
         for sr in segs.values():
             tn = TIER_NAMES[sr.tier]
@@ -593,7 +591,6 @@ class Recovery:
     def _compare(self, t: Txn, tally: dict[str, Any], fix: bool) -> list[Problem]:
         """What in the index differs from ``tally`` (with ``fix``, in a write transaction:
         corrected)."""
-        idx = self.index
         problems: list[Problem] = []
         for sid, s in tally["segs"].items():
             live, count = tally["seg_live"].get(sid, [0, 0])
@@ -611,7 +608,7 @@ class Recovery:
                     t.set_counter(name, want_v)
         want: dict[bytes, bytes] = {ck: pack_counts(c) for ck, c in tally["counts"].items()}
         want.update((label_keys_key(label), pack_u64(n)) for label, n in tally["label_keys"].items())
-        kept = {bytes(k): bytes(v) for k, v in t.raw.cursor(db=idx.counts)}
+        kept = dict(t.rows("counts"))
         drift = [ck for ck in want.keys() | kept.keys() if want.get(ck) != kept.get(ck)]
         if drift:
             problems.append(Problem("counts", f"{len(drift)} per-namespace/label count record(s) differ from "
@@ -619,29 +616,28 @@ class Recovery:
             if fix:
                 for ck in drift:
                     if ck in want:
-                        t.raw.put(ck, want[ck], db=idx.counts)
+                        t.put("counts", ck, want[ck])
                     else:
-                        t.raw.delete(ck, db=idx.counts)
+                        t.delete("counts", ck)
         return problems
 
     def _keylabels(self, t: Txn, fix: bool) -> list[Problem]:
         """Whether ``keylabels`` is the ``labels`` sub-database turned around (with ``fix``,
         in a write transaction: rebuilt when it is not)."""
-        idx = self.index
         reverse = 0
         missing = 0
-        for k in t.raw.cursor(db=idx.labels).iternext(values=False):
-            label, _, key = bytes(k).partition(b"\0")
+        for k in t.keys("labels"):
+            label, _, key = k.partition(b"\0")
             reverse += 1
-            missing += t.raw.get(key + label, db=idx.keylabels) is None
-        extra = t.raw.stat(idx.keylabels)["entries"] - (reverse - missing)
+            missing += t.get("keylabels", keylabel_key(key, label)) is None
+        extra = t.entries("keylabels") - (reverse - missing)
         if not missing and not extra:
             return []
         if fix:
-            t.raw.drop(idx.keylabels, delete=False)
-            for k in t.raw.cursor(db=idx.labels).iternext(values=False):
-                label, _, key = bytes(k).partition(b"\0")
-                t.raw.put(key + label, b"", db=idx.keylabels)
+            t.clear("keylabels")
+            for k in t.keys("labels"):
+                label, _, key = k.partition(b"\0")
+                t.put("keylabels", keylabel_key(key, label), b"")
         return [Problem("counts", f"the labels of {missing + extra} pinned key(s) are not indexed by key", fix)]
 
     def recount(self, fix: bool) -> list[Problem]:
@@ -660,11 +656,11 @@ class Recovery:
     def build_counts(self) -> None:
         """A store of format 1 (no ``counts``, no ``keylabels``): build both from the entries
         and the labels, once, and mark the index as format 2."""
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         self.recount(True)
-        self.index.write(lambda t: t.raw.put(b"format_version", str(FORMAT_VERSION).encode(), db=self.index.meta))
+        self.index.write(lambda t: t.put("meta", META_FORMAT, str(FORMAT_VERSION).encode()))
         log.info("store %s: built the per-namespace and per-label counts of format %d in %.1f s", self.path,
-                 FORMAT_VERSION, time.monotonic() - t0)
+                 FORMAT_VERSION, self.clock.monotonic() - t0)
 
     # -- after a lost index ----------------------------------------------------------------
     def rebuild_index(self) -> int:
@@ -694,7 +690,7 @@ class Recovery:
                        recs: list[Any] = recs) -> int:
                     n = 0
                     if t.segment(sid) is None:
-                        t.put_segment(sid, SegmentRecord(st.tid, SEG_SEALED, 0, size, 0, 0, time.time()))
+                        t.put_segment(sid, SegmentRecord(st.tid, SEG_SEALED, 0, size, 0, 0, self.clock.time()))
                         t.add(f"used:{st.name}", size)
                     if t.counter("next_segment") < sid:
                         t.set_counter("next_segment", sid)

@@ -100,7 +100,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,6 +114,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .breaker import CircuitBreaker
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_IDS
 from .errors import StoreError
 from .remote_auth import (
@@ -254,8 +254,9 @@ class RemoteTier:
                  lookup_timeout_s: float = 0.05, io_timeout_s: float = 2.0, password_file: str | os.PathLike[str] |
                  None = None, cluster: bool | None = None, ttl_s: float | None = None, breaker_failures: int = 3,
                  breaker_backoff_s: float = 1.0, breaker_backoff_max_s: float = 30.0, oom_pause_s: float = 1.0,
-                 **redis_options: Any) -> None:
+                 clock: Clock = SYSTEM_CLOCK, **redis_options: Any) -> None:
         self.url = redacted(url)
+        self.clock = clock  # heads' write times, backoffs and pauses
         if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
             raise StoreError(f"remote key prefix {key_prefix!r} is not allowed: use 1-100 letters, digits "
                              "or _.:/@+=- (no braces: they would break the hash tag)")
@@ -289,7 +290,7 @@ class RemoteTier:
         self._options = dict(redis_options)
         if password is not None:
             self._options["password"] = password
-        self.breaker = CircuitBreaker(breaker_failures, breaker_backoff_s, breaker_backoff_max_s)
+        self.breaker = CircuitBreaker(breaker_failures, breaker_backoff_s, breaker_backoff_max_s, clock.monotonic)
         self._clients: dict[bool, Any] = {}  # fast (lookups) -> client
         self._client_lock = threading.Lock()  # making a cluster client talks to the cluster
         self._lock = threading.Lock()  # counters
@@ -405,7 +406,7 @@ class RemoteTier:
                 setattr(self._stats, name, getattr(self._stats, name) + d)
 
     def _warn(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             if now - self._last_warn.get(kind, -math.inf) < WARN_EVERY_S:
                 return
@@ -437,7 +438,7 @@ class RemoteTier:
             verdict = True
             self.breaker.success()  # it answered: the server is up, only full
             self._count(errors=1, oom=1)
-            self._writes_paused_until = time.monotonic() + self.oom_pause_s
+            self._writes_paused_until = self.clock.monotonic() + self.oom_pause_s
             self._warn("oom", "%s refused: the server is out of memory (maxmemory with noeviction); chunks are "
                        "not being stored: %s", op, exc)
         except (rx.RedisError, rx.RedisClusterException, OSError, StoreError) as exc:
@@ -473,7 +474,7 @@ class RemoteTier:
                              "remote tier")
         if not (0 <= meta.tokens < 1 << 32 and -(1 << 15) <= meta.level < 1 << 15):
             raise StoreError("remote chunk metadata out of range (tokens, level)")
-        if time.monotonic() < self._writes_paused_until:
+        if self.clock.monotonic() < self._writes_paused_until:
             self._count(short_circuited=1, put_failures=1)
             return False
         count = -(-n // self.piece_bytes)
@@ -491,7 +492,7 @@ class RemoteTier:
                 mac.update(memoryview(p)[-AEAD_TAG_BYTES:] if self.mode == MODE_SEALED else p)
             check = mac.digest()
         head = keys.seal_head(self.mode, head_key, key, nonce,
-                              pack_meta(meta, n, self.piece_bytes, time.time(), self.writer, check))
+                              pack_meta(meta, n, self.piece_bytes, self.clock.time(), self.writer, check))
         pieces = _pieces(tag, count)
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
 

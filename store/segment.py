@@ -42,7 +42,6 @@ import os
 import secrets
 import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -52,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import max_encoded
 from .errors import StoreError
 from .private import FILE_MODE, SAFE_OPEN, UnsafePath, check_folder, file_problem, make_private_dir
@@ -236,8 +236,10 @@ class SegmentIO:
     """Reads and writes records in the segment files of one tier directory."""
 
     def __init__(self, directory: str, direct: bool | None = None, fd_cache: int = 64,
-                 readonly: bool = False, *, what: str = "tier folder", store_id: str | None = None) -> None:
+                 readonly: bool = False, *, what: str = "tier folder", store_id: str | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.dir = directory
+        self.clock = clock  # when a segment was made (its header)
         #: how messages name the folder ("dram folder")
         self.what = what
         #: the id of the store whose segments these are (written into each new segment's
@@ -280,7 +282,7 @@ class SegmentIO:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             buf[:ALIGN] = b"\0" * ALIGN
             sid = bytes.fromhex(self.store_id) if self.store_id else bytes(16)
-            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, time.time(), sid)
+            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, self.clock.time(), sid)
             if os.pwrite(fd, memoryview(buf)[:ALIGN], 0) != ALIGN:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
         except BaseException:

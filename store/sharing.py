@@ -14,10 +14,10 @@ import hashlib
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import RemoteConfig
 from .errors import StoreError
@@ -61,20 +61,19 @@ class Sharing:
     """The remote tier of one store."""
 
     def __init__(self, cfg: RemoteConfig, codec: Callable[[], Codec],
-                 put_local: Callable[[list[PutItem]], list[bool]], writer: int = 0) -> None:
+                 writer: int = 0, clock: Clock = SYSTEM_CLOCK) -> None:
         from .remote import RemoteTier, redacted
 
         self.cfg = cfg
         self.url = redacted(cfg.url)
         self._codec = codec
-        self._put_local = put_local
         self._lock = threading.Lock()
         self.promoted = 0
         self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, secret_file=cfg.secret_file,
                                            previous_secret_file=cfg.previous_secret_file, encrypt=cfg.encrypt,
                                            trust=cfg.trust, writer=writer, piece_bytes=cfg.piece_bytes,
                                            lookup_timeout_s=cfg.lookup_timeout_s, io_timeout_s=cfg.io_timeout_s,
-                                           password_file=cfg.password_file)
+                                           password_file=cfg.password_file, clock=clock)
 
     # -- lookups ---------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], tiers: list[str | None]) -> list[str | None]:
@@ -101,11 +100,11 @@ class Sharing:
     def fetch_into(self, key: bytes, out: memoryview | None, *, expect: int | None = None,
                    limit: int) -> tuple[ChunkInfo, Buffer] | None:
         """Read ``key`` from the remote tier into ``out`` (None: a new buffer of its size),
-        verified and decoded; promote it. ``expect``: the exact raw length the caller wants
-        (None: any); ``limit``: the most raw bytes it may allocate or take. A chunk whose
-        head claims other lengths is a miss (counted ``foreign``) before anything is
-        allocated. A raw chunk is received straight into ``out``. Returns its metadata and
-        the buffer."""
+        verified and decoded (``to_promote`` says what to store locally). ``expect``: the exact
+        raw length the caller wants (None: any); ``limit``: the most raw bytes it may allocate
+        or take. A chunk whose head claims other lengths is a miss (counted ``foreign``) before
+        anything is allocated. A raw chunk is received straight into ``out``. Returns its
+        metadata and the buffer."""
         if out is not None:
             limit = min(limit, len(out))
         made: list[Buffer] = []
@@ -129,17 +128,22 @@ class Sharing:
             except StoreError as exc:  # verified bytes that do not decode: a trusted writer's bug, a miss
                 self.tier.count_foreign(key, f"it does not decode: {exc}")
                 return None
-        origin = Origin("remote", m.writer, time.time())
-        if self.cfg.promote:
-            try:
-                item = PutItem(key, memoryview(data)[: m.raw_len], m.layout, m.tokens, "raw", origin=origin)
-                if self._put_local([item])[0]:
-                    with self._lock:
-                        self.promoted += 1
-            except StoreError as exc:  # a full local disk: the read still succeeded
-                log.warning("could not promote remote chunk %s: %s", key[16:24].hex(), exc)
+        origin = Origin("remote", m.writer, self.tier.clock.time())
         return ChunkInfo(key, "remote", m.codec, m.stored_len or 0, m.raw_len, m.stored_len or 0, m.tokens, 0,
                          m.written or 0.0, m.written or 0.0, 0, m.layout, -1, -1, m.level, origin), data
+
+    def to_promote(self, info: ChunkInfo, data: Buffer) -> PutItem | None:
+        """What to store locally of a chunk ``fetch_into`` read (None: promotion is off). The
+        store writes it (its write path: this tier never calls back into it), then
+        ``promoted`` counts it."""
+        if not self.cfg.promote:
+            return None
+        return PutItem(info.key, memoryview(data)[: info.raw_bytes], info.layout, info.tokens, "raw",
+                       origin=info.origin)
+
+    def count_promoted(self) -> None:
+        with self._lock:
+            self.promoted += 1
 
     # -- writes ----------------------------------------------------------------------------
     def push(self, chunks: Sequence[Stored]) -> int:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig, TierConfig
 from .errors import StoreError
 from .index import SEG_OPEN, SEG_SEALED, Index, SegmentRecord, Txn
@@ -45,8 +45,9 @@ class Space:
     """Segment allocation and removal for the tiers of one store."""
 
     def __init__(self, index: Index, tiers: dict[str, TierState], config: Callable[[], StoreConfig],
-                 journal_add: Callable[..., None], lock: threading.RLock) -> None:
+                 journal_add: Callable[..., None], lock: threading.RLock, clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self.clock = clock  # when a segment was made
         self.tiers = tiers
         self._config = config
         self._journal_add = journal_add
@@ -126,7 +127,7 @@ class Space:
             except FileExistsError:
                 continue  # left by a writer that died before registering it; recovery removes it
         t.on_abort(lambda: self._discard_new(st, sid, fd))
-        t.put_segment(sid, SegmentRecord(st.tid, SEG_OPEN, os.getpid(), ALIGN, 0, 0, time.time()))
+        t.put_segment(sid, SegmentRecord(st.tid, SEG_OPEN, os.getpid(), ALIGN, 0, 0, self.clock.time()))
         t.add(f"used:{st.name}", ALIGN)
         t.add("written_bytes", ALIGN)
         st.open_seg, st.open_fd = sid, fd

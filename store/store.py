@@ -27,12 +27,12 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .announce import Announcements
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
@@ -65,6 +65,7 @@ from .private import (
 )
 from .reads import Reads
 from .recovery import Recovery
+from .schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
 from .segment import REC_FIXED, TRAILER_BLOCK, SegmentIO
 from .sharing import Sharing, writer_id
 from .space import Space, TierState
@@ -102,7 +103,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], config: StoreConfig | None = None, *,
                  readonly: bool = False, fallback_readonly: bool = False,
-                 tier_paths: Mapping[str, str] | None = None) -> None:
+                 tier_paths: Mapping[str, str] | None = None, clock: Clock | None = None) -> None:
         """Open the store at ``path``, creating it (with ``config``, or the defaults) if it
         does not exist. ``config`` given for an existing store replaces its settings.
         Opening for writing recovers what crashed writers left and enforces capacities;
@@ -118,16 +119,21 @@ class Store:
         A tier folder recorded as a relative path (an older lmctl kept ``--tier-path`` as
         typed) would be found from each process's working folder: the store is refused with a
         line that says so, unless ``tier_paths`` ({tier: absolute folder}) names that tier's
-        folder, which is then recorded instead."""
+        folder, which is then recorded instead.
+
+        ``clock`` (store/clock.py; default: the machine's) is what every part reads the time
+        from: access, creation, pin and event times, ages, retry deadlines. Tests pass a
+        ``ManualClock`` and move it instead of sleeping."""
         self._tier_paths = dict(tier_paths or {})
+        #: what the store's parts read the time from
+        self.clock: Clock = clock or SYSTEM_CLOCK
         try:
             self._start(path, config, readonly)
         except Exception as exc:
             if readonly or not fallback_readonly or not is_read_only(exc):
                 raise
             log.error("store %s: %s; opening it read-only: hits are served, saves refused", path, exc)
-            self._start(path, None, True)
-            self._index.readonly_reason = "its filesystem is read-only"
+            self._start(path, None, True, "its filesystem is read-only")
 
     @property
     def readonly(self) -> bool:
@@ -139,7 +145,8 @@ class Store:
         """Why nothing can be written (None: it can)."""
         return self._index.readonly_reason if self._index.readonly else None
 
-    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool) -> None:
+    def _start(self, path: str | os.PathLike[str], config: StoreConfig | None, readonly: bool,
+               readonly_reason: str | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
         #: chunks ``put_many`` refused because the store is read-only (this process's, in memory:
         #: a read-only index cannot count them)
@@ -161,7 +168,10 @@ class Store:
         check_file(os.path.join(self.path, "meta.journal"), "metadata journal", written=not readonly)
         self._tiers: dict[str, TierState] = {}
         self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
-        self._index = Index(index, readonly, self._remove_files)
+        # events are written by whatever transaction makes the change they describe: the index
+        # makes the log it writes them to (store/events.py)
+        self._index = Index(index, readonly, self._remove_files, event_log_max=lambda: self.config.event_log_max,
+                            readonly_reason=readonly_reason, clock=self.clock)
         try:
             self._open(config)
         except BaseException:
@@ -191,11 +201,10 @@ class Store:
                 config = StoreConfig.from_json(restore["config"])
         self.config = self._load_config(config)
         self._absolute_tier_paths()
-        # events are written by whatever transaction makes the change they describe
-        self._events = EventLog(self._index, lambda: self.config.event_log_max)
+        events = self._index.event_log
+        assert events is not None  # asked for above
+        self._events: EventLog = events
         self._announce = Announcements(self._index)
-        if not readonly:
-            self._index.event_log = self._events
         self.codec = Codec(self.config.codec_level)
         for name in TIER_ORDER:
             if name in self.config.tiers:
@@ -207,23 +216,26 @@ class Store:
         def codec() -> Codec:
             return self.codec
 
-        self._space = Space(self._index, self._tiers, cfg, self._journal_add, self._lock)
-        self._ns = Namespaces(self._index, self.path, self._journal_add)
+        self._space = Space(self._index, self._tiers, cfg, self._journal_add, self._lock, self.clock)
+        self._ns = Namespaces(self._index, self.path, self._journal_add, self.clock)
         self._ns.load_salt_key(None if restore is None else restore["salt_key"])
         self._pins = Pins(self._index, self._tiers, cfg, self._journal_add)
         self._compactor = Compactor(self._index, self._space, cfg, self._lock)
         self._evictor = Evictor(self._index, self._space, self._compactor, self._ns, cfg, self._lock)
-        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id)
-        # the access log has a lock of its own: a hit never waits for a write holding the store's
-        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
-                            threading.RLock())
-        self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock)
+        # a boot id recorded before recovery is built: whether the machine rebooted since the
+        # last writable open tells recovery that a tmpfs tier is new, not lost
+        rebooted = False if readonly else self._note_boot()
+        self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted,
+                                  clock=self.clock)
         self._sharing: Sharing | None = None
         self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
-        self._reads.before_flush.append(self._meter_remote)
+        # the access log has a lock of its own: a hit never waits for a write holding the store's
+        self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
+                            threading.RLock(), before_flush=(self._meter_remote,), clock=self.clock)
+        self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
+                              remote=lambda: self._sharing, clock=self.clock)
         self._share(self.config)
-        self._set_spill()
         self._promote_lock = threading.Lock()
         self._promoting: set[bytes] = set()
         self._promoter: ThreadPoolExecutor | None = None
@@ -234,14 +246,13 @@ class Store:
                             "they were open to other users: %s", len(fixed), self.path,
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
-            self._recovery.rebooted = self._note_boot()
             if self.format_version() < FORMAT_VERSION:
                 self._recovery.build_counts()  # before anything changes an entry
             self.recover()
             if restore is not None or (self._index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
-                self._evictor.make_room(name, 0)
+                self._writes.make_room(name, 0)
             # what the open wrote (settings, salt key, boot id, restored pins) survives a power cut
             self._index.sync()
         else:
@@ -255,9 +266,8 @@ class Store:
         random id; a lost index gets the folder's back."""
         marker = os.path.join(self.path, STORE_MARKER)
         folder_id = marked_id(read_marker(marker))
-        meta = self._index.meta
         with self._index.read() as t:
-            raw = t.raw.get(b"store_id", db=meta)
+            raw = t.get("meta", META_STORE_ID)
         index_id = bytes(raw).decode() if raw is not None else None
         if folder_id is not None and index_id != folder_id and (index_id is not None or not fresh):
             index = os.path.join(self.path, "index")
@@ -268,11 +278,11 @@ class Store:
             return index_id or folder_id
 
         def claim(t: Txn) -> str:  # in one transaction: engines of one new store start at once
-            raw = t.raw.get(b"store_id", db=meta)
+            raw = t.get("meta", META_STORE_ID)
             if raw is not None:
                 return bytes(raw).decode()
             made = folder_id or new_store_id()
-            t.raw.put(b"store_id", made.encode(), db=meta)
+            t.put("meta", META_STORE_ID, made.encode())
             return made
 
         sid = self._index.write(claim)
@@ -299,13 +309,20 @@ class Store:
         old = self._sharing
         if config.remote is None or self.readonly or (old is not None and config.remote == old.cfg):
             return None
+        return Sharing(config.remote, lambda: self.codec, writer_id(self.path), self.clock)
 
-        def promote(items: list[PutItem]) -> list[bool]:
-            for it in items:  # a head's layout and tokens are the server's word: checked as a caller's
-                _check_put(it)
-            return self._writes.put_many(items, share=False)
-
-        return Sharing(config.remote, lambda: self.codec, promote, writer_id(self.path))
+    def _promote_remote(self, sharing: Sharing, info: ChunkInfo, data: Buffer) -> None:
+        """Store locally a chunk just read from the remote tier (when its settings say so):
+        the facade does it, so the remote tier never calls back into the write path."""
+        item = sharing.to_promote(info, data)
+        if item is None:
+            return
+        try:
+            _check_put(item)  # a head's layout and tokens are the server's word: checked as a caller's
+            if self._writes.put_many([item], share=False)[0]:
+                sharing.count_promoted()
+        except StoreError as exc:  # a full local disk: the read still succeeded
+            log.warning("could not promote remote chunk %s: %s", info.key[16:24].hex(), exc)
 
     def _share(self, config: StoreConfig, new: Sharing | None = None) -> None:
         """Open (or, when its settings changed, reopen) the remote tier of ``config`` (``new``:
@@ -323,8 +340,7 @@ class Store:
                 self._remote_refused = str(exc)
         if old is not None:
             old.close()
-        self._sharing = new
-        self._writes.on_stored = new.push if new is not None and new.cfg.write == "always" else None
+        self._sharing = new  # what the write path pushes to (``Writes``'s ``remote``)
 
     #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
     _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
@@ -411,22 +427,6 @@ class Store:
                 return
             self._promoting.add(key)
 
-    def _set_spill(self) -> None:
-        """Eviction spills to the next tier down where there is one: dram to nvme, and the last
-        local tier to the remote tier when its write policy is ``evict``."""
-        remote_evict = self._sharing is not None and self._sharing.cfg.write == "evict"
-        self._evictor.spill = self._spill if remote_evict or {"dram", "nvme"} <= set(self._tiers) else None
-        self._evictor.spill_moves = lambda tier: tier == "dram" and "nvme" in self._tiers
-
-    def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
-        if tier == "dram" and "nvme" in self._tiers:
-            moved = self._writes.rewrite([k for k, _e in victims], tier="nvme").chunks
-            if moved:
-                log.debug("demoted %d chunk(s) from dram to nvme", moved)
-            return
-        if self._sharing is not None and self._sharing.cfg.write == "evict":
-            self._sharing.push_entries(victims, self._reads.stored_bytes)
-
     # -- settings ------------------------------------------------------------------------
     def _note_boot(self) -> bool:
         """Record this boot's id in the index; whether another boot recorded the last one."""
@@ -435,12 +435,10 @@ class Store:
                 boot = f.read().strip()
         except OSError:
             return False
-        meta = self._index.meta
-
         def fn(t: Txn) -> bool:
-            old = t.raw.get(b"boot_id", db=meta)
+            old = t.get("meta", META_BOOT_ID)
             if old != boot:
-                t.raw.put(b"boot_id", boot, db=meta)
+                t.put("meta", META_BOOT_ID, boot)
             return old is not None and bytes(old) != boot
 
         return self._index.write(fn)
@@ -448,32 +446,31 @@ class Store:
     def _add_tier(self, name: str, cfg: TierConfig | None = None) -> None:
         cfg = cfg or self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
-        io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id)
+        io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id, clock=self.clock)
         self._tiers[name] = TierState(name, TIER_IDS[name], cfg, io)
 
     def _load_config(self, config: StoreConfig | None) -> StoreConfig:
         """The stored settings; ``config`` (or the defaults, for a new index) are written
         and journaled instead when given."""
-        meta = self._index.meta
         if self.readonly:
             with self._index.read() as t:
-                raw = t.raw.get(b"config", db=meta)
-                self._check_format(t.raw.get(b"format_version", db=meta))
+                raw = t.get("meta", META_CONFIG)
+                self._check_format(t.get("meta", META_FORMAT))
             return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
 
         def load(t: Txn) -> tuple[StoreConfig, bool]:
-            raw = t.raw.get(b"config", db=meta)
-            ver = t.raw.get(b"format_version", db=meta)
+            raw = t.get("meta", META_CONFIG)
+            ver = t.get("meta", META_FORMAT)
             self._check_format(ver)
             if ver is None:
                 # a new index is of this format; one with chunks but no mark is of the first
-                fresh = t.raw.stat(self._index.chunks)["entries"] == 0
-                t.raw.put(b"format_version", str(FORMAT_VERSION if fresh else 1).encode(), db=meta)
+                fresh = t.entries("chunks") == 0
+                t.put("meta", META_FORMAT, str(FORMAT_VERSION if fresh else 1).encode())
             if config is None and raw is not None:
                 return StoreConfig.from_json(bytes(raw)), False
             cfg = config or StoreConfig()
             cfg.validate()
-            t.raw.put(b"config", cfg.to_json().encode(), db=meta)
+            t.put("meta", META_CONFIG, cfg.to_json().encode())
             return cfg, True
 
         cfg, written = self._index.write(load)
@@ -497,7 +494,7 @@ class Store:
         cfg = StoreConfig.from_json(self.config.to_json())
         for n, p in given.items():
             cfg.tiers[n].path = p
-        self._index.write(lambda t: t.raw.put(b"config", cfg.to_json().encode(), db=self._index.meta), durable=True)
+        self._index.write(lambda t: t.put("meta", META_CONFIG, cfg.to_json().encode()), durable=True)
         self._journal_add("config", config=cfg.to_json())
         self.config = cfg
         log.warning("store %s: tier folder(s) recorded as relative paths are now recorded absolute: %s", self.path,
@@ -550,7 +547,8 @@ class Store:
             for name in self._tiers:
                 if name not in config.tiers:  # removed: it holds nothing
                     continue
-                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark)
+                victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark,
+                                                    self._writes.spill_moves(name))
                 below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
                 out[name] = (victims, below[0] if moves and below else None)
         return out
@@ -583,7 +581,7 @@ class Store:
                     for sid, seg in t.segments():
                         if seg.tier == TIER_IDS[name]:
                             t.drop_segment(name, sid, seg)
-                t.raw.put(b"config", config.to_json().encode(), db=self._index.meta)
+                t.put("meta", META_CONFIG, config.to_json().encode())
 
             for name in removed:  # its open segment closed first, so that its file goes too
                 self._space.drop_open(self._tiers[name])
@@ -606,9 +604,8 @@ class Store:
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
                 self._index.write(lambda t: self._events.trim(t))
             self._share(config, sharing)  # before making room: a smaller tier spills as the new settings say
-            self._set_spill()
             for name in self._tiers:
-                self._evictor.make_room(name, 0)
+                self._writes.make_room(name, 0)
 
     @staticmethod
     def _check_empty(t: Txn, name: str, config: StoreConfig) -> None:
@@ -624,17 +621,16 @@ class Store:
     def format_version(self) -> int:
         """The format of the index (1: written before the counts were kept)."""
         with self._index.read() as t:
-            ver = self._check_format(t.raw.get(b"format_version", db=self._index.meta))
+            ver = self._check_format(t.get("meta", META_FORMAT))
         return 1 if ver is None else ver
 
     def _index_is_new(self) -> bool:
         with self._index.read() as t:
-            return t.raw.get(b"config", db=self._index.meta) is None
+            return t.get("meta", META_CONFIG) is None
 
     def _index_is_empty(self) -> bool:
         with self._index.read() as t:
-            return (t.raw.stat(self._index.chunks)["entries"] == 0
-                    and t.raw.stat(self._index.segs)["entries"] == 0)
+            return t.entries("chunks") == 0 and t.entries("segs") == 0
 
     def _segment_files(self) -> bool:
         return any(st.io.segment_ids() for st in self._tiers.values())
@@ -718,7 +714,7 @@ class Store:
         """
         for it in items:  # before anything is reserved or written: nothing of the batch then
             _check_put(it)
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         try:
             if self.readonly:
                 raise ReadOnlyError(f"{len(items)} chunk(s) not stored: {self.readonly_reason}")
@@ -733,7 +729,7 @@ class Store:
             m.inc("saves_total", n, tier=where)
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
-            m.observe("save_seconds", time.perf_counter() - t0, tier=where)
+            m.observe("save_seconds", self.clock.monotonic() - t0, tier=where)
             self._flush_if_due()
         return stored
 
@@ -872,6 +868,7 @@ class Store:
             got = sharing.fetch_into(key, None, expect=expect, limit=limit)
             if got is not None:
                 info, data = got
+                self._promote_remote(sharing, info, data)
                 return Chunk(key, data, info.layout, info.tokens, "remote", info.codec)
         return chunk
 
@@ -892,7 +889,7 @@ class Store:
         view = memoryview(out).cast("B")
         if expect is not None and expect > len(view):
             raise StoreError(f"get_into: the buffer of {len(view)} bytes cannot take the {expect} expected")
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         info = self._reads.get_into(key, view, touch, expect)
         if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
             self._promote(key)
@@ -900,11 +897,13 @@ class Store:
         if info is None and sharing is not None and touch:
             got = sharing.fetch_into(key, view, expect=expect, limit=len(view))
             info = None if got is None else got[0]
+            if got is not None:
+                self._promote_remote(sharing, *got)
         if info is not None and touch:
             m = self._reads.meter
             m.inc("loads_total", 1, tier=info.tier)
             m.inc("load_bytes_total", info.raw_bytes, tier=info.tier)
-            m.observe("load_seconds", time.perf_counter() - t0, tier=info.tier)
+            m.observe("load_seconds", self.clock.monotonic() - t0, tier=info.tier)
         return info
 
     def flush(self) -> None:
@@ -961,7 +960,7 @@ class Store:
         for name, st in self._tiers.items():
             if self._space.used(name) > high_watermark * st.cfg.capacity:
                 with self._lock:
-                    out.evicted += self._evictor.make_room(name, 0, trim=True)
+                    out.evicted += self._writes.make_room(name, 0, trim=True)
         out.segments_forgotten = sum(p.kind == "missing-segment" for p in self.forget_missing_segments())
         try:
             self.compact_journal()
@@ -993,7 +992,7 @@ class Store:
 
     def _compress_cold(self, batch: int = COLD_BATCH) -> int:
         """Compress up to ``batch`` raw chunks unread for ``compress_cold_after_s`` (oldest first)."""
-        before = time.time() - self.config.compress_cold_after_s
+        before = self.clock.time() - self.config.compress_cold_after_s
         done = 0
         for st in self._tiers.values():
             keys = self._reads.coldest(st.tid, before, codec_id("raw"), batch - done)

@@ -11,11 +11,11 @@ import errno
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_ORDER, StoreConfig
 from .errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
@@ -23,8 +23,9 @@ from .eviction import Evictor
 from .index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
 from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
+from .schema import META_WRITE_PROBE
 from .segment import encode_trailer, record_len
-from .sharing import Stored
+from .sharing import Sharing, Stored
 from .space import Slot, Space, TierState
 from .types import PutItem, RewriteResult
 
@@ -60,7 +61,10 @@ class Writes:
     """The write path of one store."""
 
     def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
-                 config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock) -> None:
+                 config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
+                 remote: Callable[[], Sharing | None] = lambda: None, clock: Clock = SYSTEM_CLOCK) -> None:
+        """``remote``: the remote tier as it is now (None: none), which takes the chunks a
+        put stores (write ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
         self.space = space
         self.evictor = evictor
@@ -68,8 +72,8 @@ class Writes:
         self._config = config
         self._codec = codec
         self.lock = lock
-        #: told about the chunks a put_many stored (the remote tier's write-through)
-        self.on_stored: Callable[[list[Stored]], object] | None = None
+        self._remote = remote
+        self.clock = clock  # chunks' creation times, and when a refused tier is tried again
         #: tier -> when (monotonic) saves try it again: its disk refused the last batch
         self._refused_until: dict[str, float] = {}
 
@@ -92,7 +96,7 @@ class Writes:
             except (DiskFullError, ReadOnlyError) as exc:
                 if self.index.readonly or n == len(chain) - 1:
                     raise  # the index cannot be written, or no tier is left
-                self._refused_until[name] = time.monotonic() + SPILL_RETRY_S
+                self._refused_until[name] = self.clock.monotonic() + SPILL_RETRY_S
                 log.warning("%s; saves go to tier %s for %.0f s", exc, chain[n + 1], SPILL_RETRY_S)
                 continue
             if name != first:
@@ -107,7 +111,7 @@ class Writes:
         the local tiers after it; those whose disk refused a batch lately go last."""
         names = [n for n in TIER_ORDER if n in self.space.tiers]
         chain = names[names.index(first):] if first in names else [first]
-        now = time.monotonic()
+        now = self.clock.monotonic()
         fresh = [n for n in chain if self._refused_until.get(n, 0.0) <= now]
         return fresh + [n for n in chain if n not in fresh]
 
@@ -127,12 +131,13 @@ class Writes:
             cid = codec_id(it.codec or self._config().codec)
             raw = memoryview(it.data).cast("B")
             stored = codec.encode(cid, raw, itemsize, level)
-            prepared.append(_Prepared(it, layout, cid, raw, stored, record_len(len(memoryview(stored))), time.time()))
+            prepared.append(_Prepared(it, layout, cid, raw, stored, record_len(len(memoryview(stored))),
+                                      self.clock.time()))
 
         with self.lock:
             needs = [(p.item.key, p.rec_len) for p in prepared]
             try:
-                self.evictor.make_room(st.name, sum(n for _k, n in needs))
+                self.make_room(st.name, sum(n for _k, n in needs))
                 plan = self.space.reserve(st, needs, replacing=set(replace or ()))
             except OSError as exc:  # a new segment file could not be made
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -183,12 +188,13 @@ class Writes:
                 raise
             if self._config().fsync:  # an acknowledged put survives a power cut that comes SYNC_SOON_S later
                 self.index.sync_soon()
-        if share and replace is None and self.on_stored is not None:
+        remote = self._remote() if share and replace is None else None
+        if remote is not None and remote.cfg.write == "always":  # the remote tier's write-through
             shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)
                                     for i, p, _seg, _off, csum in done if results[i]]
             if shared:
-                self.on_stored(shared)
+                remote.push(shared)
         return results
 
     def _write_records(self, st: TierState, prepared: list[_Prepared],
@@ -254,12 +260,51 @@ class Writes:
         """After a segment write failed: whether the index is on a read-only filesystem now.
         A probe write finds out (and the store turns read-only: ``Index.went_read_only``)."""
         try:
-            self.index.write(lambda t: t.raw.put(b"write_probe", b"", db=self.index.meta))
+            self.index.write(lambda t: t.put("meta", META_WRITE_PROBE, b""))
         except ReadOnlyError as exc:
             return exc
         except StoreError:
             pass  # another trouble of the index: the segment's error is the one to report
         return None
+
+    # -- making room: eviction, and where its victims go -------------------------------
+    def _spills(self) -> bool:
+        """Whether evicted chunks go somewhere first: dram to nvme, and the last local tier to
+        the remote tier when its write policy is ``evict``."""
+        remote = self._remote()
+        return (remote is not None and remote.cfg.write == "evict") or {"dram", "nvme"} <= set(self.space.tiers)
+
+    def spill_moves(self, tier: str) -> bool:
+        """Whether chunks evicted from ``tier`` move to another local tier (keeping them)."""
+        return tier == "dram" and "nvme" in self.space.tiers and self._spills()
+
+    def make_room(self, tier: str, incoming: int, trim: bool = False) -> int:
+        """Evict until ``incoming`` more bytes fit in ``tier`` (``Evictor``); returns the
+        chunks evicted. Where victims spill, the evictor decides (``choose``), they are moved
+        here (the write path's own ``rewrite``, or a push to the remote tier), and the evictor
+        drops what is still where it was (``finish``): the evictor never calls back."""
+        if not self._spills():
+            return self.evictor.make_room(tier, incoming, trim)
+        room = self.evictor.choose(tier, incoming, trim, self.spill_moves(tier))
+        if room is None:
+            return 0
+        if room.victims:
+            try:
+                self._spill(tier, room.ordered())
+            except (StoreError, OSError) as exc:  # the next tier is full or failing: evict
+                log.warning("could not move %d chunk(s) out of tier %s (%s); evicting them", len(room.victims),
+                            tier, exc)
+        return self.evictor.finish(room)
+
+    def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
+        if tier == "dram" and "nvme" in self.space.tiers:
+            moved = self.rewrite([k for k, _e in victims], tier="nvme").chunks
+            if moved:
+                log.debug("demoted %d chunk(s) from dram to nvme", moved)
+            return
+        remote = self._remote()
+        if remote is not None and remote.cfg.write == "evict":
+            remote.push_entries(victims, self.reads.stored_bytes)
 
     # -- rewriting ---------------------------------------------------------------------
     def rewrite(self, keys: Sequence[bytes], tier: str | None = None, codec: str | None = None,

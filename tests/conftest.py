@@ -64,9 +64,10 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
 
     def make(path: Path | None = None, capacity: int = 1 * GiB, segment_bytes: int = 4 * MiB,
              **kw: object) -> Store:
+        clock = kw.pop("clock", None)  # a store.clock.ManualClock: the test moves time instead of sleeping
         cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity, pin_budget=kw.pop("pin_budget", 0.5))},
                           segment_bytes=segment_bytes, **kw)  # type: ignore[arg-type]
-        s = Store(path or tmp_path / "store", cfg)
+        s = Store(path or tmp_path / "store", cfg, clock=clock)  # type: ignore[arg-type]
         opened.append(s)
         return s
 

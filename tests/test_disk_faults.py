@@ -30,6 +30,7 @@ from store import (
     open_shared,
     release_shared,
 )
+from store.clock import ManualClock
 from stress.scenario_full_shm import fill
 
 CHUNK = 64 << 10
@@ -307,10 +308,10 @@ def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
     ``SPILL_RETRY_S``."""
     import store.writes
 
-    monkeypatch.setattr(store.writes, "SPILL_RETRY_S", 0.3)
+    clock = ManualClock()
     cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(small_shm / "lmctl")),
                              "nvme": TierConfig(capacity=64 * MiB)}, default_tier="dram", segment_bytes=4 * MiB)
-    s = Store(tmp_path / "store", cfg)
+    s = Store(tmp_path / "store", cfg, clock=clock)
     try:
         assert s.put(key(0), content(key(0), CHUNK), {"dtype": "uint8"}, tokens=16)
         hog = fill(small_shm)
@@ -324,7 +325,9 @@ def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
         assert [(c.labels, c.value) for c in spilled] == [({"from": "dram", "to": "nvme"}, 40)]
         assert all(bytes(c.data) == content(k, CHUNK) for k in keys if (c := s.get(k)) is not None)
         hog.unlink()  # room again: after the retry time, saves go to dram
-        time.sleep(0.4)
+        assert s.put(key(98), content(key(98), CHUNK), {"dtype": "uint8"}, tokens=16)
+        assert s.locate([key(98)], remote=False) == ["nvme"]  # not before it
+        clock.advance(store.writes.SPILL_RETRY_S)
         assert s.put(key(99), content(key(99), CHUNK), {"dtype": "uint8"}, tokens=16)
         assert s.locate([key(0), key(99)], remote=False) == ["dram", "dram"]
     finally:

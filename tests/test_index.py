@@ -20,6 +20,7 @@ from conftest import SMALL_FMT, SMALL_LAYOUT, content
 import store.index as index_mod
 import store.reads as reads_mod
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
+from store.clock import ManualClock
 from store.segment import SegmentIO
 
 MakeStore = Callable[..., Store]
@@ -323,12 +324,13 @@ def test_a_store_written_by_an_earlier_lmctl_opens_unchanged(tmp_path: Path) -> 
 
 
 def test_maintenance_compresses_cold_raw_chunks_only(make_store: MakeStore, ns: Namespace) -> None:
-    s = make_store(compress_cold_after_s=0.5)
+    clock = ManualClock()
+    s = make_store(compress_cold_after_s=0.5, clock=clock)
     keys = ns.chunk_keys(list(range(16 * 6)))
     data = {k: content(k, 8192)[:4096] * 2 for k in keys}  # compressible
     assert all(s.put_many([PutItem(k, data[k], SMALL_LAYOUT, 16) for k in keys]))
     s.pin("doc", keys[:1])
-    time.sleep(0.7)
+    clock.advance(0.7)  # past compress_cold_after_s
     for k in keys[4:]:  # read now: not cold
         assert s.get(k) is not None
     s.flush()

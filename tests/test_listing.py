@@ -5,7 +5,6 @@ chunk once while another process writes, sorted pages are in order, and inspect 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from test_daemon import Daemon, cj, cli
 
 from lmctl.client import Client, RemoteError
 from store import AdapterIdentity, ChunkInfo, GiB, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
+from store.clock import ManualClock
 
 BASE = Namespace("m", SMALL_FMT)
 CIVIL = Namespace("m", SMALL_FMT, AdapterIdentity("civil", "3f" * 16))
@@ -27,12 +27,13 @@ def build(path: Path) -> dict[str, list[bytes]]:
     to dram, some read."""
     tiers = {"nvme": TierConfig(capacity=1 * GiB), "dram": TierConfig(capacity=64 * MiB, path=str(path / "dram"))}
     keys: dict[str, list[bytes]] = {}
-    with Store(path, StoreConfig(tiers=tiers, default_tier="nvme", segment_bytes=1 * MiB)) as s:
+    clock = ManualClock()
+    with Store(path, StoreConfig(tiers=tiers, default_tier="nvme", segment_bytes=1 * MiB), clock=clock) as s:
         for name, ns, n in (("base", BASE, 120), ("civil", CIVIL, 70), ("other", OTHER, 50)):
             s.register_namespace(ns, {"model_id": ns.model})
             keys[name] = ns.chunk_keys(list(range(n * 16)))
             s.put_many([PutItem(k, bytes(64 + 4000 * (i % 3)), SMALL_LAYOUT, 16) for i, k in enumerate(keys[name])])
-            time.sleep(0.01)  # namespaces written at different times: age orders them
+            clock.advance(0.01)  # namespaces written at different times: age orders them
         s.pin("doc", keys["base"][:30] + keys["civil"][:5])
         s.pin("doc", [b"\x07" * 48])  # pinned before it is stored
         s.pin("hot", keys["base"][20:40])

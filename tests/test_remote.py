@@ -23,6 +23,7 @@ import redis
 from redis_server import Server, free_port, secret_file
 
 from store.breaker import CircuitBreaker
+from store.clock import ManualClock
 from store.errors import StoreError
 from store.remote import RemoteMeta, RemoteTier, redacted
 
@@ -367,8 +368,9 @@ def test_lru_eviction_of_pieces_is_a_counted_miss(servers: Callable[..., Server]
 def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
         servers: Callable[..., Server], tiers: Callable[..., RemoteTier], caplog: pytest.LogCaptureFixture) -> None:
     srv = servers()
+    clock = ManualClock()
     tier = tiers(srv.url, lookup_timeout_s=0.05, io_timeout_s=0.25, breaker_failures=2, breaker_backoff_s=0.3,
-                 breaker_backoff_max_s=0.6)
+                 breaker_backoff_max_s=0.6, clock=clock)
     data = roundtrip(tier, 1, 200 * KiB)
     caplog.set_level(logging.INFO, logger="lmctl.store")
     srv.signal(signal.SIGSTOP)
@@ -389,7 +391,8 @@ def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
         assert time.monotonic() - t0 < 0.05
         assert tier.stats().calls == st.calls and tier.stats().short_circuited == 3
         # a probe after the backoff fails again: open for longer
-        time.sleep(0.35)
+        assert tier.breaker.state == "open"
+        clock.advance(0.35)
         t0 = time.monotonic()
         assert not tier.put(key(2), b"abc", meta(3))
         assert time.monotonic() - t0 < 2.0
@@ -401,6 +404,7 @@ def test_frozen_server_calls_keep_their_deadline_and_the_breaker_recovers(
     while tier.contains_many([key(1)]) != [True]:
         assert time.monotonic() < deadline, tier.stats()
         time.sleep(0.05)
+        clock.advance(0.05)  # the breaker's backoff passes on its clock
     assert tier.stats().breaker == "closed"
     got = get(tier, key(1))
     assert got is not None and bytes(got[1]) == data

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -29,6 +28,7 @@ from store import (
     StoreError,
     TierConfig,
 )
+from store.clock import ManualClock
 from store.codec import Codec, encoded_parts, shuffle, unshuffle
 from store.segment import SegmentIO
 from store.space import Space
@@ -396,7 +396,8 @@ def test_chunks_of_a_retired_model_fingerprint_are_evicted_first(make_store: Mak
     """A new checkpoint under the same model id: the old fingerprint's chunks can never be hit
     again, so they go before any LRU victim, even when they were read more recently."""
     per = SMALL_FMT.chunk_bytes + 4096
-    store = make_store(capacity=64 * per, segment_bytes=1 * MiB, retire_after_s=0.3)
+    clock = ManualClock()
+    store = make_store(capacity=64 * per, segment_bytes=1 * MiB, retire_after_s=0.3, clock=clock)
     old = Namespace("m", SMALL_FMT, model_fingerprint="a" * 32)
     new = Namespace("m", SMALL_FMT, model_fingerprint="b" * 32)
     other = Namespace("other-model", SMALL_FMT, model_fingerprint="c" * 32)
@@ -409,7 +410,7 @@ def test_chunks_of_a_retired_model_fingerprint_are_evicted_first(make_store: Mak
     other_keys = other.chunk_keys(list(range(5000, 5000 + 16 * 8)))
     for k in other_keys:
         assert store.put(k, content(k, SMALL_FMT.chunk_bytes), SMALL_LAYOUT, tokens=16)
-    time.sleep(0.4)
+    clock.advance(0.4)  # past retire_after_s
     store.register_namespace(new)  # the new checkpoint is served; the old one is not any more
     store.register_namespace(other)  # still in use (it has one fingerprint: never retired)
     assert store.retired_namespaces() == {old.ns_id}

@@ -1,0 +1,334 @@
+"""The store's structure (issue 20): parts are built with their collaborators and never wired
+afterwards, the evictor never calls back into the write path.
+
+Each check is a function over source text, run on the real tree and on a planted violation
+(so that a check that could never fail would fail here)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from store import MiB, Store, StoreConfig, TierConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+STORE = ROOT / "store"
+
+#: objects a part keeps for itself whose attributes it may set (not collaborators)
+OWN_HELPERS = {"self._local", "self._timer", "self._stats"}
+#: list methods that add a hook to a collaborator's list
+ADDERS = {"append", "extend", "insert"}
+
+
+def store_sources() -> Iterator[tuple[str, str]]:
+    for p in sorted(STORE.glob("*.py")):
+        yield p.name, p.read_text()
+
+
+def wiring_after_construction(source: str) -> list[str]:
+    """Where ``source`` sets an attribute of one of its collaborators (``self.part.attr = ...``,
+    ``setattr(self.part, ...)``, ``self.part.hooks.append(...)``): a part wired after it was built."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            targets = [ast.Attribute(node.args[0], "?", ast.Store())] if node.args else []
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ADDERS:
+            targets = [node.func.value]
+        for t in targets:
+            for sub in ast.walk(t):
+                if not isinstance(sub, ast.Attribute):
+                    continue
+                owner = ast.unparse(sub.value)
+                if owner.startswith("self.") and owner not in OWN_HELPERS and _depth(sub.value) >= 1:
+                    found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def _depth(e: ast.expr) -> int:
+    """How many attributes deep below ``self`` ``e`` is (``self.a``: 1; -1: not under self)."""
+    n = 0
+    while isinstance(e, ast.Attribute):
+        n += 1
+        e = e.value
+    return n if isinstance(e, ast.Name) and e.id == "self" else -1
+
+
+def test_the_wiring_check_finds_a_hook_set_after_construction() -> None:
+    planted = (
+        "class Store:\n"
+        "    def _open(self):\n"
+        "        self._evictor.spill = self._spill\n"
+        "        self._reads.before_flush.append(self._meter)\n"
+        "        setattr(self._index, 'event_log', None)\n"
+        "        self._own = 1\n"  # its own attribute: fine
+    )
+    assert [f.split(": ")[1] for f in wiring_after_construction(planted)] == [
+        "self._evictor.spill", "self._reads.before_flush", "self._index.?"]
+
+
+def test_no_part_of_the_store_is_wired_after_it_was_built() -> None:
+    """The count of hooks set after construction is 0: every collaborator is a constructor
+    argument."""
+    found = {name: hits for name, src in store_sources() if (hits := wiring_after_construction(src))}
+    assert found == {}
+
+
+def test_the_evictor_takes_no_callback_and_never_calls_the_write_path() -> None:
+    """The run-time loop Writes -> Evictor -> spill -> Writes.rewrite -> Evictor is gone: the
+    evictor decides (``choose``) and drops (``finish``); the write path moves the victims."""
+    from store.eviction import Evictor
+
+    assert list(inspect.signature(Evictor.__init__).parameters) == [
+        "self", "index", "space", "compactor", "namespaces", "config", "lock"]
+    tree = ast.parse((STORE / "eviction.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"writes", "store", "sharing", "reads"}
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not called & {"spill", "rewrite", "put_many", "push_entries"}
+
+
+def test_the_remote_tier_never_calls_back_into_the_write_path() -> None:
+    """Nor the loop Writes -> Sharing (push) and Sharing -> Writes (promote a remote hit): the
+    facade stores what ``Sharing.to_promote`` gives it."""
+    from store.sharing import Sharing
+
+    assert list(inspect.signature(Sharing.__init__).parameters) == ["self", "cfg", "codec", "writer", "clock"]
+    tree = ast.parse((STORE / "sharing.py").read_text())
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not called & {"put_many", "rewrite", "make_room", "save"}
+
+
+# -- the same at run time: every assignment to a part's attribute comes from its own methods --
+def _part_classes() -> list[type]:
+    from store.compaction import Compactor
+    from store.events import EventLog
+    from store.eviction import Evictor
+    from store.index import Index
+    from store.namespaces import Namespaces
+    from store.pins import Pins
+    from store.reads import Reads
+    from store.recovery import Recovery
+    from store.sharing import Sharing
+    from store.space import Space
+    from store.writes import Writes
+
+    return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Reads, Writes, Sharing]
+
+
+@pytest.fixture
+def outside_sets(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Assignments to a part's attributes made by code that is not one of that part's methods."""
+    seen: list[str] = []
+    for cls in _part_classes():
+        def guarded(obj: Any, name: str, value: Any, _set: Any = object.__setattr__) -> None:
+            caller: FrameType | None = sys._getframe(1)
+            # a part's own method (or its dataclass/__init__ helpers) has it as ``self``
+            if caller is None or caller.f_locals.get("self") is not obj:
+                where = "?" if caller is None else f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+                seen.append(f"{type(obj).__name__}.{name} set from {where}")
+            _set(obj, name, value)
+
+        monkeypatch.setattr(cls, "__setattr__", guarded)
+    return seen
+
+
+def test_the_run_time_check_finds_an_attribute_set_from_outside(outside_sets: list[str], tmp_path: Path) -> None:
+    s = Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)}))
+    try:
+        assert outside_sets == []
+        s._writes.spare = 1  # type: ignore[attr-defined]
+        assert outside_sets == ["Writes.spare set from test_structure.py:" + outside_sets[0].rsplit(":", 1)[1]]
+    finally:
+        s.close()
+
+
+def test_no_part_attribute_is_set_from_outside_while_the_store_works(outside_sets: list[str],
+                                                                   tmp_path: Path) -> None:
+    """Open a store with dram over nvme, fill dram past its capacity (eviction demotes to
+    nvme), pin, change settings, maintain, evict, reopen: no part's attribute is assigned by
+    anything but its own methods."""
+    from conftest import SMALL_LAYOUT, key
+
+    from store import PutItem
+
+    cfg = StoreConfig(tiers={"dram": TierConfig(capacity=8 * MiB, path=str(tmp_path / "shm")),
+                             "nvme": TierConfig(capacity=256 * MiB)}, default_tier="dram", segment_bytes=1 * MiB)
+    with Store(tmp_path / "s", cfg) as s:
+        keys = [key(i) for i in range(24)]
+        for k in keys:  # 24 MiB through an 8 MiB dram tier
+            s.put_many([PutItem(k, bytes(1 * MiB), SMALL_LAYOUT, 16)])
+        s.flush()
+        assert "nvme" in s.locate(keys)
+        s.pin("doc", keys[:2])
+        assert s.get(keys[0]) is not None
+        cfg2 = StoreConfig.from_json(s.config.to_json())
+        cfg2.tiers["dram"].capacity = 4 * MiB
+        s.configure(cfg2)
+        s.maintain()
+        s.evict(keys[-3:])
+        s.check(fix=True)
+    with Store(tmp_path / "s") as s:
+        assert s.get(keys[0]) is not None
+    assert outside_sets == []
+
+
+# -- the clock: every part reads time from the clock it was given ------------------------------
+CLOCK_READS = {"time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns"}
+
+
+def clock_reads(source: str) -> list[str]:
+    """Where ``source`` reads the machine's clock itself (``time.time()``, ``time.monotonic()``,
+    ``from time import monotonic``...) instead of a ``Clock``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCK_READS
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "time"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and node.module == "time":
+            found += [f"line {node.lineno}: from time import {a.name}" for a in node.names if a.name in CLOCK_READS]
+    return found
+
+
+def test_the_clock_check_finds_a_direct_read() -> None:
+    planted = "import time\nfrom time import monotonic\nx = time.time()\ny = time.strftime('%Y')\n"
+    assert sorted(clock_reads(planted)) == ["line 2: from time import monotonic", "line 3: time.time()"]
+
+
+def test_the_store_reads_time_only_through_its_clock() -> None:
+    found = {name: hits for name, src in store_sources() if name != "clock.py" and (hits := clock_reads(src))}
+    assert found == {}
+
+
+def test_a_manual_clock_moves_only_when_told_and_the_store_reads_it(tmp_path: Path) -> None:
+    from conftest import SMALL_LAYOUT, key
+
+    from store import PutItem
+    from store.clock import ManualClock
+
+    clock = ManualClock(start=1_700_000_000.0)
+    assert (clock.time(), clock.monotonic()) == (1_700_000_000.0, 0.0)
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+    with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)}), clock=clock) as s:
+        s.put_many([PutItem(key(1), bytes(4096), SMALL_LAYOUT, 16)])
+        clock.advance(3600)
+        assert s.get(key(1)) is not None
+        s.flush()
+        s.pin("doc", [key(1)])
+        info = s.info(key(1))
+        assert info is not None and (info.created, info.last_access) == (1_700_000_000.0, 1_700_003_600.0)
+        assert [e["time"] for e in s.events(kinds=["pin"])] == [1_700_003_600.0]
+
+
+# -- one door to LMDB: only the index opens it; every key is built from the schema -------------
+#: the modules that may touch LMDB itself
+LMDB_DOOR = {"index.py", "schema.py"}
+#: LMDB's transaction and cursor calls, reached through a transaction's ``raw``
+LMDB_CALLS = {"get", "put", "delete", "cursor", "stat", "drop", "replace", "pop", "open_db", "begin"}
+#: the Txn methods that take a sub-database's name, then a key
+ROW_CALLS = {"get", "put", "delete", "rows", "keys", "rows_newest_first"}
+
+
+def lmdb_uses(source: str) -> list[str]:
+    """Where ``source`` uses LMDB itself: imports it, calls a raw transaction's methods
+    (``t.raw.get(...)``), opens a cursor, or names a sub-database's handle (``db=``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lmdb" for a in node.names):
+            found.append(f"line {node.lineno}: import lmdb")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lmdb":
+            found.append(f"line {node.lineno}: from lmdb import")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            raw = isinstance(f.value, ast.Attribute) and f.value.attr in ("raw", "env") and f.attr in LMDB_CALLS
+            if raw or f.attr in ("cursor", "iternext", "set_range"):
+                found.append(f"line {node.lineno}: {ast.unparse(f)}(...)")
+            elif any(k.arg == "db" for k in node.keywords):
+                found.append(f"line {node.lineno}: {ast.unparse(f)}(..., db=...)")
+    return found
+
+
+def literal_keys(source: str) -> list[str]:
+    """Where ``source`` reads or writes a row of a named sub-database with a key (or key
+    prefix) written as a bytes literal instead of one declared in store/schema.py."""
+    from store.schema import DB_NAMES
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ROW_CALLS
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in DB_NAMES):
+            continue
+        for arg in [*node.args[1:2], *(k.value for k in node.keywords if k.arg in ("prefix", "start"))]:
+            if any(isinstance(c, ast.Constant) and isinstance(c.value, bytes) and c.value for c in ast.walk(arg)):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_lmdb_checks_find_a_raw_call_and_a_literal_key() -> None:
+    planted = (
+        "import lmdb\n"
+        "def f(t, index):\n"
+        "    t.raw.put(b'config', b'{}', db=index.meta)\n"
+        "    cur = t.raw.cursor(db=index.chunks)\n"
+        "    t.get('meta', b'boot_id')\n"
+        "    t.rows('events', b'e' + b'x')\n"
+        "    t.keys('labels', start=b'z')\n"
+        "    t.get('meta', META_BOOT_ID)\n"  # declared in the schema: fine
+        "    len(p.raw)\n"  # not LMDB
+    )
+    assert [f.split(":")[0] for f in lmdb_uses(planted)] == ["line 1", "line 3", "line 4"]
+    assert [f.split(":")[0] for f in literal_keys(planted)] == ["line 5", "line 6", "line 7"]
+
+
+def test_only_the_index_touches_lmdb() -> None:
+    """Raw LMDB calls outside store/index.py (and the schema): 0."""
+    found = {name: hits for name, src in store_sources() if name not in LMDB_DOOR and (hits := lmdb_uses(src))}
+    assert found == {}
+
+
+def test_every_key_the_parts_use_is_declared_in_the_schema() -> None:
+    found = {name: hits for name, src in store_sources() if name != "schema.py" and (hits := literal_keys(src))}
+    assert found == {}
+    # and the prefixes metrics and events write under are the schema's
+    from store import events, metrics, schema
+
+    assert (metrics.PREFIX, metrics.GAUGE_PREFIX) == (schema.METRIC_CELL, schema.METRIC_GAUGE)
+    assert events._event_row(7) == schema.event_row(7) and events._key_row(b"k") == schema.event_key_row(b"k")
+
+
+def test_txn_rows_stay_within_their_prefix_in_both_directions(tmp_path: Path) -> None:
+    from store.index import Index
+
+    idx = Index(str(tmp_path / "index"), False, lambda files: None)
+    try:
+        rows = {b"d\xff": b"1", b"e\x00": b"2", b"e\x01": b"3", b"e\xff\xff": b"4", b"f": b"5"}
+
+        def fill(t: Any) -> None:
+            for k, v in rows.items():
+                t.put("events", k, v)
+
+        idx.write(fill)
+        with idx.read() as t:
+            assert [k for k, _v in t.rows("events", b"e")] == [b"e\x00", b"e\x01", b"e\xff\xff"]
+            assert list(t.keys("events", b"e", start=b"e\x01")) == [b"e\x01", b"e\xff\xff"]
+            assert [k for k, _v in t.rows_newest_first("events", b"e")] == [b"e\xff\xff", b"e\x01", b"e\x00"]
+            assert [k for k, _v in t.rows_newest_first("events", b"e\xff")] == [b"e\xff\xff"]
+            assert list(t.rows_newest_first("events", b"g")) == []
+            assert t.entries("events") == 5 and t.get("events", b"f") == b"5" and t.get("events", b"x") is None
+        idx.write(lambda t: t.clear("events"))
+        with idx.read() as t:
+            assert t.entries("events") == 0
+    finally:
+        idx.close()
