@@ -123,7 +123,9 @@ def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
     finish(worker, "r2")
     assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3]) and worker.take_load_errors() == set()
     steps = [s for s, _, _ in log_]
-    assert steps == ["read", "copy", "read", "copied", "copy", "copied"], steps  # the 2nd read during the 1st copy
+    reads = [i for i, step in enumerate(steps) if step == "read"]
+    assert len(reads) == 2 and reads[1] < steps.index("copied"), steps  # the 2nd read before the 1st copy ends
+    assert [step for step in steps if step != "read"] == ["copy", "copied", "copy", "copied"], steps
     assert all(name.startswith("lmctl-read") for s, name, _ in log_ if s == "read")
     # a miss in the middle: the load ends there, the read ahead lands, both buffers go back
     missing = Namespace("m", FMT).chunk_keys(list(range(1000, 1000 + 3 * FMT.chunk_size)))
