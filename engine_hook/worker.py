@@ -36,8 +36,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmctl.engine_hook")
 
-#: loader threads (and load staging buffers): one request's chunks load in order on one
+#: loader threads: one request's chunks load in order on one
 LOADERS = 2
+#: a loader reads up to this many of a request's chunks together (``Store.get_many_into``:
+#: whole records, several in flight, the disk's best read pattern), within ``LOAD_WINDOW_BYTES``
+#: of staging buffers of its own
+LOAD_WINDOW = 4
+LOAD_WINDOW_BYTES = 64 << 20
+
+
+def load_window(chunk_bytes: int) -> int:
+    """Chunks a loader reads together (and its staging buffers)."""
+    return max(1, min(LOAD_WINDOW, LOAD_WINDOW_BYTES // max(1, chunk_bytes)))
 
 
 class LMCtlConnectorWorker:
@@ -75,7 +85,8 @@ class LMCtlConnectorWorker:
         self._paged = PagedKV(layers, ctx.kv_format, ctx.block_size, ctx.settings.kv_layout)
         cuda = self._paged.device.type == "cuda"
         self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2, pinned=cuda)
-        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS, pinned=cuda)
+        self._window = load_window(ctx.kv_format.chunk_bytes)
+        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, LOADERS * self._window, pinned=cuda)
         self._writer = ChunkWriter(self.store, self._pool, self.recorder)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
@@ -95,50 +106,65 @@ class LMCtlConnectorWorker:
             self._report_queues()
 
     def _load(self, op: LoadOp, received: float) -> set[int]:
-        """Load one request's chunks in order; the first that fails ends the load. Returns
-        its blocks and every later chunk's, for recomputing. ``received``: when the worker
-        was given the load (its wait is measured from there)."""
+        """Load one request's chunks in order, up to ``load_window`` read together; the first
+        that fails ends the load. Returns its blocks and every later chunk's, for
+        recomputing. ``received``: when the worker was given the load (its wait is measured
+        from there)."""
         assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
         done = 0
-        buf = None
+        bufs: list[torch.Tensor] = []
         why = "missing"
+        stream = None
         t0 = time.perf_counter()
         try:
-            buf = self._load_pool.acquire(wait=True)
-            assert buf is not None
-            chunk = chunk_tensor(buf, fmt)
+            for _ in range(min(self._window, len(op.keys))):  # a loader never holds more than its window
+                buf = self._load_pool.acquire(wait=True)
+                assert buf is not None
+                bufs.append(buf)
+            chunks = [chunk_tensor(b, fmt) for b in bufs]
             stream = self._stream()
-            for key, blocks in zip(op.keys, op.blocks, strict=True):
+            ok = True
+            while ok and done < len(op.keys):
                 t = time.perf_counter()
-                info = self.store.get_into(key, buf.numpy().data, expect=fmt.chunk_bytes)
-                if info is None:
-                    break  # missing, or failed its checks (the store dropped and counted it)
-                if info.raw_bytes != fmt.chunk_bytes:
-                    # the rest of the buffer would still hold the previous chunk's KV
-                    why = "bad_length"
-                    log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
-                                op.req_id, key.hex()[:16], info.raw_bytes, fmt.chunk_bytes)
-                    break
-                if stream is None:
-                    self._paged.scatter(chunk, blocks)
-                else:  # on a side stream, so the engine's own stream never waits for it
-                    with torch.cuda.stream(stream):
-                        self._paged.scatter(chunk, blocks)
-                    stream.synchronize()  # the copy is done before the buffer takes the next chunk
-                done += 1
-                with self._lock:
-                    self.loaded_chunks += 1
-                    rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
-                    rep[0] += info.raw_bytes
-                    rep[1] += time.perf_counter() - t
-                self.recorder.record({"loaded_chunks": 1, "loaded_bytes": info.raw_bytes}, {"tier": info.tier})
+                part = op.keys[done : done + len(bufs)]
+                infos = self.store.get_many_into(part, [b.numpy().data for b in bufs[: len(part)]],
+                                                 expect=fmt.chunk_bytes)
+                each = (time.perf_counter() - t) / len(part)
+                for j, info in enumerate(infos):
+                    if info is None:
+                        ok = False
+                        break  # missing, or failed its checks (the store dropped and counted it)
+                    if info.raw_bytes != fmt.chunk_bytes:
+                        # the rest of the buffer would still hold the previous chunk's KV
+                        why = "bad_length"
+                        log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
+                                    op.req_id, part[j].hex()[:16], info.raw_bytes, fmt.chunk_bytes)
+                        ok = False
+                        break
+                    blocks = op.blocks[done]
+                    if stream is None:
+                        self._paged.scatter(chunks[j], blocks)
+                    else:  # on a side stream, so the engine's own stream never waits for it
+                        with torch.cuda.stream(stream):
+                            self._paged.scatter(chunks[j], blocks)
+                    done += 1
+                    with self._lock:
+                        self.loaded_chunks += 1
+                        rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
+                        rep[0] += info.raw_bytes
+                        rep[1] += each
+                    self.recorder.record({"loaded_chunks": 1, "loaded_bytes": info.raw_bytes}, {"tier": info.tier})
+                if stream is not None:
+                    stream.synchronize()  # the copies are done before the buffers take the next chunks
         except Exception:
             why = "error"
             key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
             log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
-            if buf is not None:
+            if stream is not None:
+                stream.synchronize()  # no copy out of a buffer outlives its loan
+            for buf in bufs:
                 self._load_pool.release(buf)
             with self._lock:
                 self.load_s += time.perf_counter() - t0

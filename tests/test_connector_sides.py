@@ -66,13 +66,13 @@ def saved_chunks(worker: LMCtlConnectorWorker, caches: dict[str, torch.Tensor]) 
 def hold_store_reads(worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the worker's store reads wait until the returned event is set (a slow tier)."""
     gate = threading.Event()
-    real = worker.store.get_into
+    real = worker.store.get_many_into
 
     def held(*args: Any, **kw: Any) -> Any:
         assert gate.wait(30)
         return real(*args, **kw)
 
-    monkeypatch.setattr(worker.store, "get_into", held)
+    monkeypatch.setattr(worker.store, "get_many_into", held)
     return gate
 
 
@@ -95,6 +95,32 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
     assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
 
 
+def test_a_requests_chunks_are_read_together_and_a_miss_among_them_ends_the_load(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader reads a request's chunks in one ``get_many_into`` (whole records, several in
+    flight); the chunks before a miss are loaded, the miss and every later chunk recomputed."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    calls: list[int] = []
+    real = worker.store.get_many_into
+
+    def spy(ks: Any, outs: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(len(ks))
+        return real(ks, outs, *a, **kw)
+
+    monkeypatch.setattr(worker.store, "get_many_into", spy)
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    finish(worker, "r2")
+    assert calls == [2] and same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+    worker.store.evict([keys[1]])  # gone between the lookup and the load: the second of the two
+    worker.load([LoadOp("r3", keys, [[8, 9], [10, 11]])])
+    finish(worker, "r3")
+    assert calls == [2, 2] and worker.take_load_errors() == {10, 11}
+    assert same_blocks(caches, [8, 9], [0, 1])
+    assert worker.loaded_chunks == 3 and worker.load_failures == 1
+
+
 @pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
 def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
         worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
@@ -112,8 +138,9 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
             return real(*args, **kw)
         return call
 
-    if fault == "store read":
-        monkeypatch.setattr(worker.store, "get_into", fail_on_the_second_chunk(worker.store.get_into))
+    if fault == "store read":  # a read of one chunk at a time, so that the second read is the second chunk's
+        worker._window = 1
+        monkeypatch.setattr(worker.store, "get_many_into", fail_on_the_second_chunk(worker.store.get_many_into))
     else:
         assert worker._paged is not None
         monkeypatch.setattr(worker._paged, "scatter", fail_on_the_second_chunk(worker._paged.scatter))
