@@ -76,17 +76,16 @@ def gbps(nbytes: int, seconds: float) -> float:
 # -- the contenders (each in its own process) ----------------------------------------------
 def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import mmap
 
-    from store_io import raw_read, raw_write
+    from store_io import buffer, raw_read, raw_write
 
-    src = mmap.mmap(-1, size)
+    src = buffer(size)
     src[:size] = chunk_data(size, 0)
     path = str(d / "raw.bin")
     out: dict[str, float] = {}
     for depth in (1, 4, 8):
         out[f"put_qd{depth}"] = raw_write(path, src, size, count, put_batch, depth, False)
-    bufs = [mmap.mmap(-1, size) for _ in range(8)]
+    bufs = [buffer(size) for _ in range(8)]
     for depth in (1, 2, 4, 8):
         drop_caches()
         out[f"get_qd{depth}"] = raw_read(path, bufs, size, count, depth)
@@ -97,14 +96,15 @@ def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> d
 
 def run_lmctl(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    import mmap
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from store_io import buffer
 
     from store import GiB, PutItem, Store, StoreConfig, TierConfig
 
     cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=64 * GiB)}, segment_bytes=1 * GiB, codec="raw")
     srcs = []
     for i in range(put_batch):  # page-aligned, as the engine's staging buffers
-        m = mmap.mmap(-1, size)
+        m = buffer(size)
         m[:size] = chunk_data(size, i)
         srcs.append(m)
     keys = [b"\x05" * 16 + i.to_bytes(32, "big") for i in range(count)]
@@ -116,7 +116,7 @@ def run_lmctl(d: Path, size: int, count: int, put_batch: int, get_batch: int) ->
             items = [PutItem(k, memoryview(srcs[j])[:size], layout, 256) for j, k in enumerate(part)]
             assert all(st.put_many(items))
         put = gbps(size * count, time.perf_counter() - t0)
-        outs = [mmap.mmap(-1, size) for _ in range(get_batch)]
+        outs = [buffer(size) for _ in range(get_batch)]
         drop_caches()
         t0 = time.perf_counter()
         for b in range(0, count, get_batch):

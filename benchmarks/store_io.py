@@ -60,6 +60,15 @@ SHAPES = {
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
+def buffer(size: int) -> mmap.mmap:
+    """A page-aligned buffer, its pages faulted in here, in order, by one thread (MAP_POPULATE),
+    as an engine's staging buffers are. Pages that several I/O threads first touch at once
+    (an untouched buffer read into with O_DIRECT) come out physically scattered; this disk
+    then takes each request in pieces of about 1 MiB (a request carries at most 254
+    segments) and O_DIRECT runs up to 1.9x slower (docs/performance.md)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+
+
 def chunk_bytes(layers: int, heads: int, dim: int) -> int:
     return layers * 2 * 256 * heads * dim * 2
 
@@ -197,10 +206,10 @@ def store_round(sdir: Path, src: mmap.mmap, outs: list[mmap.mmap], size: int, co
 def bench_shape(base: Path, name: str, size: int, total: int, rounds: int, batch: int,
                 depths: list[int], codecs: list[str]) -> dict[str, object]:
     count = max(batch, total // size)
-    src = mmap.mmap(-1, size)
+    src = buffer(size)
     fill_bf16(src, size, 7)
-    outs = [mmap.mmap(-1, size) for _ in range(batch)]  # reused, page-aligned, as an engine's staging buffers
-    rbufs = [mmap.mmap(-1, size) for _ in range(8)]
+    outs = [buffer(size) for _ in range(batch)]  # reused, page-aligned, as an engine's staging buffers
+    rbufs = [buffer(size) for _ in range(8)]
     res: dict[str, list[float]] = {}
 
     def add(k: str, v: float) -> None:

@@ -300,10 +300,11 @@ class Reads:
                       expect: int | None = None) -> list[ChunkInfo | None]:
         """``get_into`` of each key into its buffer, the records read together: one read
         transaction finds them all, and every raw record that a page-aligned buffer can take
-        whole is read in one request, several in flight on its tier's I/O threads (each
-        verified there). Anything else, and any record whose fast read fails for whatever
-        reason, goes through ``get_into``'s path one by one, which verifies, counts and
-        drops exactly as a single read does. The buffers must be distinct."""
+        whole is read in one request, several in flight on its tier's I/O threads, and
+        verified in this thread as they arrive. Anything else, and any record whose fast read
+        fails for whatever reason, goes through ``get_into``'s path one by one, which
+        verifies, counts and drops exactly as a single read does. The buffers must be
+        distinct."""
         n = len(keys)
         out: list[ChunkInfo | None] = [None] * n
         entries: list[Entry | None] = [None] * n
@@ -325,10 +326,15 @@ class Reads:
             st = self.tiers.get(e.tier_name)
             if st is not None and st.io.whole_read_fits(e.stored_len, outs[i]):
                 fast.append((i, st, e))
-        futs = [(i, e, st.io.start_whole_read(e.seg, e.off, e.stored_len, outs[i])) for i, st, e in fast]
-        for i, e, fut in futs:
+        reads = []
+        for i, st, e in fast:
             try:
-                agrees(keys[i], e, fut.result())
+                reads.append((i, e, st.io.start_whole_read(e.seg, e.off, e.stored_len, outs[i])))
+            except Exception:  # gone, or not this store's file: the single path decides what it is
+                continue
+        for i, e, rd in reads:  # verified here, in order, while the I/O threads read the next ones
+            try:
+                agrees(keys[i], e, rd.result())
             except Exception:  # torn, moved, gone, unreadable: the single path decides what it is
                 continue
             if touch:

@@ -19,15 +19,15 @@ N = 32 * 1024  # a chunk of whole pages
 
 @pytest.fixture
 def whole_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The offsets of the records read whole (the real ``read_whole`` runs; this only counts)."""
+    """The offsets of the records read whole (the real ``start_whole_read`` runs; this only counts)."""
     seen: list[int] = []
-    real = SegmentIO.read_whole
+    real = SegmentIO.start_whole_read
 
     def spy(self: SegmentIO, seg_id: int, offset: int, stored_len: int, dst: memoryview) -> object:
         seen.append(offset)
         return real(self, seg_id, offset, stored_len, dst)
 
-    monkeypatch.setattr(SegmentIO, "read_whole", spy)
+    monkeypatch.setattr(SegmentIO, "start_whole_read", spy)
     yield seen
 
 
