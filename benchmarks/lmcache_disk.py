@@ -77,15 +77,15 @@ def gbps(nbytes: int, seconds: float) -> float:
 def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
-    from store_io import buffer, raw_read, raw_write
+    from store_io import buffers, raw_read, raw_write
 
-    src = buffer(size)
+    src = buffers(size, 1)[0]
     src[:size] = chunk_data(size, 0)
     path = str(d / "raw.bin")
     out: dict[str, float] = {}
     for depth in (1, 4, 8):
         out[f"put_qd{depth}"] = raw_write(path, src, size, count, put_batch, depth, False)
-    bufs = [buffer(size) for _ in range(8)]
+    bufs = buffers(size, 8)
     for depth in (1, 2, 4, 8):
         drop_caches()
         out[f"get_qd{depth}"] = raw_read(path, bufs, size, count, depth)
@@ -97,16 +97,14 @@ def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> d
 def run_lmctl(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from store_io import buffer
+    from store_io import buffers
 
     from store import GiB, PutItem, Store, StoreConfig, TierConfig
 
     cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=64 * GiB)}, segment_bytes=1 * GiB, codec="raw")
-    srcs = []
-    for i in range(put_batch):  # page-aligned, as the engine's staging buffers
-        m = buffer(size)
+    srcs = buffers(size, put_batch)  # page-aligned, as the engine's staging buffers
+    for i, m in enumerate(srcs):
         m[:size] = chunk_data(size, i)
-        srcs.append(m)
     keys = [b"\x05" * 16 + i.to_bytes(32, "big") for i in range(count)]
     layout = {"dtype": "bfloat16", "shape": [size // 2]}
     with Store(d / "store", cfg) as st:
@@ -116,7 +114,7 @@ def run_lmctl(d: Path, size: int, count: int, put_batch: int, get_batch: int) ->
             items = [PutItem(k, memoryview(srcs[j])[:size], layout, 256) for j, k in enumerate(part)]
             assert all(st.put_many(items))
         put = gbps(size * count, time.perf_counter() - t0)
-        outs = [buffer(size) for _ in range(get_batch)]
+        outs = buffers(size, get_batch)
         drop_caches()
         t0 = time.perf_counter()
         for b in range(0, count, get_batch):

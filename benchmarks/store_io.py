@@ -60,20 +60,28 @@ SHAPES = {
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def buffer(size: int) -> mmap.mmap:
-    """A page-aligned buffer, its pages faulted in here, in order, by one thread (MAP_POPULATE),
-    as an engine's staging buffers are. Pages that several I/O threads first touch at once
-    (an untouched buffer read into with O_DIRECT) come out physically scattered; this disk
-    then takes each request in pieces of about 1 MiB (a request carries at most 254
-    segments) and O_DIRECT runs up to 1.9x slower (docs/performance.md)."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+#: a chunk-sized buffer: a slice of ``buffers``'s region, or an mmap of its own
+Buf = memoryview | mmap.mmap
+
+
+def buffers(size: int, count: int) -> list[memoryview]:
+    """``count`` page-aligned buffers of ``size`` bytes carved from one region whose pages
+    are written in order here, as an engine's staging pool (or LMCache's allocator) holds
+    them. Measured on this disk: O_DIRECT into buffers mapped one by one, or faulted in by
+    the reading threads, runs up to 1.9x slower than into such a region (the destination's
+    physical pages decide how many segments each request needs; a request here carries at
+    most 254), so every contender gets the same kind of memory (docs/performance.md)."""
+    stride = (size + 4095) // 4096 * 4096
+    region = mmap.mmap(-1, stride * count)
+    np.frombuffer(region, dtype=np.uint8)[:] = 0  # every page written once, in order
+    return [memoryview(region)[i * stride : i * stride + size] for i in range(count)]
 
 
 def chunk_bytes(layers: int, heads: int, dim: int) -> int:
     return layers * 2 * 256 * heads * dim * 2
 
 
-def fill_bf16(buf: mmap.mmap, n: int, seed: int) -> None:
+def fill_bf16(buf: Buf, n: int, seed: int) -> None:
     """bf16 values of a smooth activation-like distribution (high bytes carry little entropy)."""
     rng = np.random.default_rng(seed)
     f32 = (rng.standard_normal(n // 2, dtype=np.float32) * 0.5).view(np.uint32)
@@ -96,7 +104,7 @@ def drop_caches() -> bool:
         return False
 
 
-def raw_write(path: str, buf: mmap.mmap, size: int, count: int, batch: int, depth: int, prealloc: bool) -> float:
+def raw_write(path: str, buf: Buf, size: int, count: int, batch: int, depth: int, prealloc: bool) -> float:
     """GB/s of O_DIRECT writes of ``count`` whole chunks, ``depth`` in flight, one fdatasync per batch."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     try:
@@ -129,7 +137,7 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def raw_read(path: str, bufs: list[mmap.mmap], size: int, count: int, depth: int, piece: int = 0) -> float:
+def raw_read(path: str, bufs: list[Buf], size: int, count: int, depth: int, piece: int = 0) -> float:
     """GB/s of O_DIRECT reads of ``count`` chunks: whole chunks, ``depth`` in flight on as
     many threads; with ``piece``, one chunk at a time in pieces of that size, ``depth`` in flight."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -156,7 +164,7 @@ RAW_READS = [("whole_qd1", 1, 0), ("whole_qd2", 2, 0), ("whole_qd4", 4, 0), ("wh
              ("2m_pieces_qd4", 4, 2 * MiB)]
 
 
-def raw_round(path: str, src: mmap.mmap, rbufs: list[mmap.mmap], size: int, count: int,
+def raw_round(path: str, src: Buf, rbufs: list[Buf], size: int, count: int,
               batch: int) -> dict[str, float]:
     """GB/s of every raw pattern, each read pattern with the page cache dropped first."""
     out: dict[str, float] = {}
@@ -169,7 +177,7 @@ def raw_round(path: str, src: mmap.mmap, rbufs: list[mmap.mmap], size: int, coun
     return out
 
 
-def store_round(sdir: Path, src: mmap.mmap, outs: list[mmap.mmap], size: int, count: int, batch: int, codec: str,
+def store_round(sdir: Path, src: Buf, outs: list[Buf], size: int, count: int, batch: int, codec: str,
                 depth: int, tag: int) -> dict[str, float]:
     """put, get (one by one) and get_many (a batch together) GB/s and stored/raw for one store:
     ``count`` chunks put in batches, then read cold both ways."""
@@ -206,10 +214,10 @@ def store_round(sdir: Path, src: mmap.mmap, outs: list[mmap.mmap], size: int, co
 def bench_shape(base: Path, name: str, size: int, total: int, rounds: int, batch: int,
                 depths: list[int], codecs: list[str]) -> dict[str, object]:
     count = max(batch, total // size)
-    src = buffer(size)
+    src = buffers(size, 1)[0]
     fill_bf16(src, size, 7)
-    outs = [buffer(size) for _ in range(batch)]  # reused, page-aligned, as an engine's staging buffers
-    rbufs = [buffer(size) for _ in range(8)]
+    outs = buffers(size, batch)  # reused, page-aligned, as an engine's staging buffers
+    rbufs = buffers(size, 8)
     res: dict[str, list[float]] = {}
 
     def add(k: str, v: float) -> None:

@@ -49,17 +49,17 @@ class StagingPool:
         self.nbytes = nbytes
         self.pinned = pinned
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._backing: list[torch.Tensor] = []
-        for _ in range(count):
-            self._free.put(self._alloc())
-
-    def _alloc(self) -> torch.Tensor:
-        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-        self._backing.append(raw)
+        # one region for all the buffers, every page written once, in order, here (not on
+        # the hot path): O_DIRECT into it ran up to 1.6x faster than into buffers allocated
+        # one by one (the pages' physical layout sets how many segments a disk request
+        # needs: docs/performance.md)
+        stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        raw = torch.empty(stride * count + ALIGN, dtype=torch.uint8, pin_memory=pinned)
         skip = (-raw.data_ptr()) % ALIGN
-        buf = raw[skip : skip + self.nbytes]
-        buf.fill_(0)  # touch every page once, here, not on the hot path
-        return buf
+        raw[skip : skip + stride * count].fill_(0)
+        self._backing = [raw]
+        for i in range(count):
+            self._free.put(raw[skip + i * stride : skip + i * stride + nbytes])
 
     def acquire(self, wait: bool = False) -> torch.Tensor | None:
         try:

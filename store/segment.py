@@ -199,9 +199,7 @@ class AlignedPool:
                     best = i
             if best is not None:
                 return self._free.pop(best)
-        # faulted in here, in order, by one thread: pages that the I/O threads first touch
-        # at once come out physically scattered, and O_DIRECT through them runs slower
-        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        return mmap.mmap(-1, size)
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
