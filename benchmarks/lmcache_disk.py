@@ -19,10 +19,11 @@ Per contender and chunk shape, in one round (``--total-mib`` of chunks):
         itself never syncs); raw: O_DIRECT writes of whole chunks, one fdatasync per batch,
         1, 4 and 8 in flight (the best is taken)
   get   page cache dropped first (as root), then batches of ``--get-batch`` chunks (one
-        request's prefix): lmctl ``Store.get_many_into`` into reused page-aligned buffers,
-        verified by checksum; LMCache ``batched_get_blocking`` (buffers from its allocator,
-        freed after each batch); raw: O_DIRECT reads of whole chunks, 1, 2, 4 and 8 in
-        flight (the best is taken)
+        request's prefix): lmctl ``Store.get_many_into`` into reused page-aligned buffers
+        (one region whose pages were written in order, as an engine's staging pool; the raw
+        reads get the same, see ``store_io.buffers``), verified by checksum; LMCache
+        ``batched_get_blocking`` (buffers from its allocator, freed after each batch); raw:
+        O_DIRECT reads of whole chunks, 1, 2, 4 and 8 in flight (the best is taken)
 
 Ratios are taken within each round (lmctl / LMCache, lmctl / best raw) and reported as the
 median and range over rounds, with GB/s medians.
