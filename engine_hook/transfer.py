@@ -48,18 +48,19 @@ class StagingPool:
     def __init__(self, nbytes: int, count: int, pinned: bool = False) -> None:
         self.nbytes = nbytes
         self.pinned = pinned
+        self.count = count
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._backing: list[torch.Tensor] = []
-        for _ in range(count):
-            self._free.put(self._alloc())
-
-    def _alloc(self) -> torch.Tensor:
-        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-        self._backing.append(raw)
+        # one region for all the buffers, every page written once, in order, here (not on
+        # the hot path): O_DIRECT into it ran up to 1.6x faster than into buffers allocated
+        # one by one (the pages' physical layout sets how many segments a disk request
+        # needs: docs/performance.md)
+        stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        raw = torch.empty(stride * count + ALIGN, dtype=torch.uint8, pin_memory=pinned)
         skip = (-raw.data_ptr()) % ALIGN
-        buf = raw[skip : skip + self.nbytes]
-        buf.fill_(0)  # touch every page once, here, not on the hot path
-        return buf
+        raw[skip : skip + stride * count].fill_(0)
+        self._backing = [raw]
+        for i in range(count):
+            self._free.put(raw[skip + i * stride : skip + i * stride + nbytes])
 
     def acquire(self, wait: bool = False) -> torch.Tensor | None:
         try:
@@ -69,6 +70,10 @@ class StagingPool:
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
+
+    def free(self) -> int:
+        """Buffers not handed out now."""
+        return self._free.qsize()
 
 
 def chunk_tensor(buf: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

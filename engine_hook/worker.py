@@ -36,8 +36,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmctl.engine_hook")
 
-#: loader threads (and load staging buffers): one request's chunks load in order on one
+#: loader threads: one request's chunks load in order on one
 LOADERS = 2
+#: a loader reads up to this many of a request's chunks together (``Store.get_many_into``:
+#: whole records, several in flight), and the next as many while it copies those; its two
+#: windows of staging buffers take at most ``LOAD_WINDOW_BYTES``
+LOAD_WINDOW = 4
+LOAD_WINDOW_BYTES = 64 << 20
+
+
+def load_window(chunk_bytes: int) -> int:
+    """Chunks a loader reads together (it holds two windows of staging buffers)."""
+    return max(1, min(LOAD_WINDOW, (LOAD_WINDOW_BYTES // 2) // max(1, chunk_bytes)))
 
 
 class LMCtlConnectorWorker:
@@ -78,7 +88,9 @@ class LMCtlConnectorWorker:
         self._paged = PagedKV(layers, ctx.kv_format, ctx.block_size, ctx.settings.kv_layout)
         cuda = self._paged.device.type == "cuda"
         self._pool = StagingPool(ctx.kv_format.chunk_bytes, ctx.settings.save_queue + 2, pinned=cuda)
-        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, 2 * LOADERS, pinned=cuda)
+        self._window = load_window(ctx.kv_format.chunk_bytes)
+        # two windows per loader: one copied into the engine's blocks while the next is read
+        self._load_pool = StagingPool(ctx.kv_format.chunk_bytes, 2 * LOADERS * self._window, pinned=cuda)
         self._writer = ChunkWriter(self.store, self._pool, self.recorder)
         log.info("lmctl: KV layout %s, %d layers, chunk %.1f MiB, %d save buffers", self._paged.layout,
                  len(layers), ctx.kv_format.chunk_bytes / 2**20, ctx.settings.save_queue)
@@ -102,75 +114,104 @@ class LMCtlConnectorWorker:
         its blocks and every later chunk's, for recomputing. ``received``: when the worker
         was given the load (its wait is measured from there).
 
-        With ``read_ahead`` and a second staging buffer free, the next chunk is read (on a
-        reader thread) while this one is copied into the engine's blocks."""
+        Chunks are read ``load_window`` at a time (``Store.get_many_into``: whole records,
+        several in flight). With ``read_ahead`` and a second window of staging buffers free,
+        the next window is read (on a reader thread) while this one is copied into the
+        engine's blocks."""
         assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
+        n = len(op.keys)
+        w = max(1, min(self._window, n))
         done = 0
         bufs: list[torch.Tensor] = []
         pending: Future[Any] | None = None
         why = "missing"
+        stream = None
         t0 = time.perf_counter()
 
-        def read(i: int) -> Any:
-            return self.store.get_into(op.keys[i], bufs[i % len(bufs)].numpy().data, expect=fmt.chunk_bytes)
+        def read(start: int, half: int) -> tuple[list[Any], float]:
+            part = op.keys[start : start + w]
+            outs = [b.numpy().data for b in bufs[half * w : half * w + len(part)]]
+            t = time.perf_counter()
+            infos = self.store.get_many_into(part, outs, expect=fmt.chunk_bytes)
+            return list(infos), (time.perf_counter() - t) / max(1, len(part))
 
         try:
-            first = self._load_pool.acquire(wait=True)
-            assert first is not None
-            bufs.append(first)
-            if self.read_ahead and len(op.keys) > 1:
-                second = self._load_pool.acquire()
-                if second is not None:
-                    bufs.append(second)
-            ahead = len(bufs) > 1
+            for _ in range(w):  # a loader never holds more than two windows
+                buf = self._load_pool.acquire(wait=True)
+                assert buf is not None
+                bufs.append(buf)
+            if self.read_ahead and n > w:
+                for _ in range(w):
+                    buf = self._load_pool.acquire()
+                    if buf is None:
+                        break
+                    bufs.append(buf)
+                if len(bufs) < 2 * w:  # no second window free: read, then copy
+                    for b in bufs[w:]:
+                        self._load_pool.release(b)
+                    del bufs[w:]
+            ahead = len(bufs) == 2 * w
             stream = self._stream()
+            start, half = 0, 0
             if ahead:
-                pending = self._reader.submit(read, 0)
-            for i, blocks in enumerate(op.blocks):
-                key = op.keys[i]
-                t = time.perf_counter()
+                pending = self._reader.submit(read, 0, 0)
+            ok = True
+            while ok and start < n:
                 if pending is not None:
                     fut, pending = pending, None
-                    info = fut.result()
+                    infos, each = fut.result()
                 else:
-                    info = read(i)
-                if info is None:
-                    break  # missing, or failed its checks (the store dropped and counted it)
-                if info.raw_bytes != fmt.chunk_bytes:
-                    # the rest of the buffer would still hold the previous chunk's KV
-                    why = "bad_length"
-                    log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
-                                op.req_id, key.hex()[:16], info.raw_bytes, fmt.chunk_bytes)
-                    break
-                if ahead and i + 1 < len(op.keys):
-                    pending = self._reader.submit(read, i + 1)  # into the other buffer
-                chunk = chunk_tensor(bufs[i % len(bufs)], fmt)
-                if stream is None:
-                    self._paged.scatter(chunk, blocks)
-                else:  # on a side stream, so the engine's own stream never waits for it
-                    with torch.cuda.stream(stream):
-                        self._paged.scatter(chunk, blocks)
-                    stream.synchronize()  # the copy is done before the buffer takes the next chunk
-                done += 1
-                with self._lock:
-                    self.loaded_chunks += 1
-                    rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
-                    rep[0] += info.raw_bytes
-                    rep[1] += time.perf_counter() - t
-                self.recorder.record({"loaded_chunks": 1, "loaded_bytes": info.raw_bytes}, {"tier": info.tier})
+                    infos, each = read(start, half)
+                good = 0
+                for j, info in enumerate(infos):
+                    if info is None:
+                        break  # missing, or failed its checks (the store dropped and counted it)
+                    if info.raw_bytes != fmt.chunk_bytes:
+                        # the rest of the buffer would still hold the previous chunk's KV
+                        why = "bad_length"
+                        log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
+                                    op.req_id, op.keys[start + j].hex()[:16], info.raw_bytes, fmt.chunk_bytes)
+                        break
+                    good += 1
+                ok = good == len(infos)
+                nxt = start + len(infos)
+                if ok and ahead and nxt < n:
+                    pending = self._reader.submit(read, nxt, 1 - half)  # into the other window
+                for j in range(good):
+                    info = infos[j]
+                    chunk = chunk_tensor(bufs[half * w + j], fmt)
+                    if stream is None:
+                        self._paged.scatter(chunk, op.blocks[start + j])
+                    else:  # on a side stream, so the engine's own stream never waits for it
+                        with torch.cuda.stream(stream):
+                            self._paged.scatter(chunk, op.blocks[start + j])
+                    done += 1
+                    with self._lock:
+                        self.loaded_chunks += 1
+                        rep = self._load_report.setdefault(info.tier, [0.0, 0.0])
+                        rep[0] += info.raw_bytes
+                        rep[1] += each
+                    self.recorder.record({"loaded_chunks": 1, "loaded_bytes": info.raw_bytes}, {"tier": info.tier})
+                if stream is not None:
+                    stream.synchronize()  # the copies are done before the buffers take the next chunks
+                start = nxt
+                if ahead:
+                    half = 1 - half
         except Exception:
             why = "error"
             key_hex = op.keys[done].hex()[:16] if done < len(op.keys) else "?"
             log.warning("lmctl: request %s: loading chunk %s failed", op.req_id, key_hex, exc_info=True)
         finally:
-            if pending is not None:  # a read ahead of a chunk not needed: let it land first
+            if pending is not None:  # a read ahead of chunks not needed: let it land first
                 try:
                     pending.result()
                 except Exception:
                     pass
-            for b in bufs:
-                self._load_pool.release(b)
+            if stream is not None:
+                stream.synchronize()  # no copy out of a buffer outlives its loan
+            for buf in bufs:
+                self._load_pool.release(buf)
             with self._lock:
                 self.load_s += time.perf_counter() - t0
         failed: set[int] = set()

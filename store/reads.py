@@ -293,6 +293,59 @@ class Reads:
         got = self._read(key, view, touch, expect, len(view))
         return None if got is None else got[0]
 
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], touch: bool = True,
+                      expect: int | None = None) -> list[ChunkInfo | None]:
+        """``get_into`` of each key into its buffer, the records read together: one read
+        transaction finds them all, and every raw record that a page-aligned buffer can take
+        whole is read in one request, several in flight on its tier's I/O threads, and
+        verified in this thread as they arrive. Anything else, and any record whose fast read
+        fails for whatever reason, goes through ``get_into``'s path one by one, which
+        verifies, counts and drops exactly as a single read does. The buffers must be
+        distinct."""
+        n = len(keys)
+        out: list[ChunkInfo | None] = [None] * n
+        entries: list[Entry | None] = [None] * n
+        try:
+            with self.index.read() as t:
+                raws = [t.entry_raw(k) for k in keys]
+                for i, raw in enumerate(raws):
+                    if raw is not None:
+                        try:
+                            entries[i] = Entry.unpack(raw)
+                        except CorruptEntry:
+                            pass  # the single path below drops and counts it
+        except IndexReopened:
+            pass  # every key takes the single path, which looks it up again
+        fast: list[tuple[int, TierState, Entry]] = []
+        for i, e in enumerate(entries):
+            if e is None or e.codec != 0 or length_problem(e, expect, len(outs[i])) is not None:
+                continue
+            st = self.tiers.get(e.tier_name)
+            if st is not None and st.io.whole_read_fits(e.stored_len, outs[i]):
+                fast.append((i, st, e))
+        reads = []
+        for i, st, e in fast:
+            try:
+                reads.append((i, e, st.io.start_whole_read(e.seg, e.off, e.stored_len, outs[i])))
+            except Exception:  # gone, or not this store's file: the single path decides what it is
+                continue
+        for i, e, rd in reads:  # verified here, in order, while the I/O threads read the next ones
+            try:
+                agrees(keys[i], e, rd.result())
+            except Exception:  # torn, moved, gone, unreadable: the single path decides what it is
+                continue
+            if touch:
+                try:
+                    self._touch(keys[i])
+                except StoreError as exc:
+                    log.warning("could not record a hit of chunk %s: %s", short_key(keys[i]), exc)
+            out[i] = chunk_info(keys[i], e, 0)
+        for i in range(n):
+            if out[i] is None:
+                got = self._read(keys[i], outs[i], touch, expect, len(outs[i]))
+                out[i] = None if got is None else got[0]
+        return out
+
     def _read(self, key: bytes, dst: memoryview | None, touch: bool, expect: int | None,
               limit: int) -> tuple[ChunkInfo, Buffer] | None:
         """Read ``key`` into ``dst`` (None: a new buffer of the chunk's size). The lengths its

@@ -531,6 +531,34 @@ class SegmentIO:
             for buf in bufs:
                 self.pool.give(buf)
 
+    def whole_read_fits(self, stored_len: int, dst: memoryview) -> bool:
+        """Whether ``start_whole_read`` can take a record of ``stored_len`` payload bytes into
+        ``dst``: O_DIRECT, a page-aligned ``dst`` that holds the payload, and a payload of
+        whole pages (so that no padding lands in ``dst``)."""
+        return (self.direct and stored_len > 0 and stored_len % ALIGN == 0 and len(dst) >= stored_len
+                and is_aligned(dst))
+
+    def start_whole_read(self, seg_id: int, offset: int, stored_len: int, dst: memoryview) -> WholeRead:
+        """Start reading a record in one request, its payload straight into
+        ``dst[:stored_len]`` and its trailer into a pooled block, on the I/O threads (up to
+        ``depth`` records in flight: the disk's best read pattern for chunk-sized records).
+        Only where ``whole_read_fits``. ``WholeRead.result()`` waits for it and verifies it
+        in the calling thread (checks and errors as ``read_record``), while the I/O threads
+        go on with the next records; it must be called before ``dst`` is reused."""
+        try:
+            fd = self._fd(seg_id)
+        except FileNotFoundError:
+            raise SegmentGone(seg_id) from None
+        except ForeignSegment as exc:  # a file planted or swapped in under its name: a miss
+            raise CorruptRecord(str(exc)) from None
+        trailer = self.pool.take(TRAILER_BLOCK)
+        try:
+            fut = self._io.submit(_preadv_all, fd, [dst[:stored_len], memoryview(trailer)[:TRAILER_BLOCK]], offset)
+        except BaseException:
+            self.pool.give(trailer)
+            raise
+        return WholeRead(self.pool, fut, trailer, seg_id, offset, stored_len, dst)
+
     def scan(self, seg_id: int, size: int | None = None) -> Iterator[tuple[int, RecordTrailer]]:
         """Yield (offset, trailer) for every record whose trailer is intact.
 
@@ -585,6 +613,35 @@ class SegmentIO:
                 os.close(fd)
             self._fds.clear()
         self._io.shutdown(wait=True)
+
+
+class WholeRead:
+    """One record read whole in flight (``SegmentIO.start_whole_read``)."""
+
+    def __init__(self, pool: AlignedPool, fut: Future[int], trailer: mmap.mmap, seg_id: int, offset: int,
+                 stored_len: int, dst: memoryview) -> None:
+        self._pool, self._fut, self._trailer = pool, fut, trailer
+        self.seg_id, self.offset, self.stored_len, self._dst = seg_id, offset, stored_len, dst
+
+    def result(self) -> RecordTrailer:
+        """Wait for the read and verify it: the trailer is valid, claims this payload length,
+        and its checksum is that of the bytes read (``CorruptRecord`` otherwise)."""
+        try:
+            got = self._fut.result()
+            seg_id, offset, n = self.seg_id, self.offset, self.stored_len
+            if got != n + TRAILER_BLOCK:
+                raise CorruptRecord(f"short read in segment {seg_id} at {offset}")
+            found = decode_trailer(memoryview(self._trailer)[:TRAILER_BLOCK])
+            if found is None:
+                raise CorruptRecord(f"bad record trailer in segment {seg_id} at {offset}")
+            if found.stored_len != n:
+                raise CorruptRecord(f"record length mismatch in segment {seg_id} at {offset}")
+            if checksum(self._dst[:n]) != found.checksum:
+                raise CorruptRecord(f"checksum mismatch in segment {seg_id} at {offset}")
+            return found
+        finally:
+            self._fut.exception()  # the trailer block is free only once the read is over
+            self._pool.give(self._trailer)
 
 
 class PendingWrite:

@@ -906,6 +906,42 @@ class Store:
             m.observe("load_seconds", self.clock.monotonic() - t0, tier=info.tier)
         return info
 
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], touch: bool = True, *,
+                      expect: int | None = None) -> list[ChunkInfo | None]:
+        """``get_into`` of each key into its own buffer (distinct, writable), read together:
+        one index lookup, and the raw records of page-aligned buffers read whole, several in
+        flight (the disk's best pattern; see docs/performance.md). Each result is what
+        ``get_into`` of that key would return: its metadata, or None on a miss (its buffer
+        may then hold garbage), with the same checks, counts and drops. An engine loading a
+        request's chunks passes them all here and uses the hits up to the first miss."""
+        views = [memoryview(o).cast("B") for o in outs]
+        if len(views) != len(keys):
+            raise StoreError(f"get_many_into: {len(keys)} keys but {len(views)} buffers")
+        for v in views:
+            if expect is not None and expect > len(v):
+                raise StoreError(f"get_many_into: a buffer of {len(v)} bytes cannot take the {expect} expected")
+        t0 = self.clock.monotonic()
+        infos = self._reads.get_many_into(keys, views, touch, expect)
+        if not touch:
+            return infos
+        sharing = self._sharing
+        m = self._reads.meter
+        for i, info in enumerate(infos):
+            if info is not None and info.tier != "dram" and self.config.default_tier == "dram":
+                self._promote(keys[i])
+            if info is None and sharing is not None:
+                got = sharing.fetch_into(keys[i], views[i], expect=expect, limit=len(views[i]))
+                info = infos[i] = None if got is None else got[0]
+            if info is not None:
+                m.inc("loads_total", 1, tier=info.tier)
+                m.inc("load_bytes_total", info.raw_bytes, tier=info.tier)
+        hits = [i for i in infos if i is not None]
+        if hits:  # one observation for the batch, spread over its chunks
+            each = (self.clock.monotonic() - t0) / len(hits)
+            for info in hits:
+                m.observe("load_seconds", each, tier=info.tier)
+        return infos
+
     def flush(self) -> None:
         """Write pending access times and hit/miss counts to the index (reads keep them in
         memory and flush every ``access_flush_s``)."""

@@ -66,13 +66,13 @@ def saved_chunks(worker: LMCtlConnectorWorker, caches: dict[str, torch.Tensor]) 
 def hold_store_reads(worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the worker's store reads wait until the returned event is set (a slow tier)."""
     gate = threading.Event()
-    real = worker.store.get_into
+    real = worker.store.get_many_into
 
     def held(*args: Any, **kw: Any) -> Any:
         assert gate.wait(30)
         return real(*args, **kw)
 
-    monkeypatch.setattr(worker.store, "get_into", held)
+    monkeypatch.setattr(worker.store, "get_many_into", held)
     return gate
 
 
@@ -98,13 +98,15 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
 def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
         worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request's load reads chunk i+1 (on a reader thread, into a second staging buffer)
-    while chunk i is copied into the engine's blocks; a miss ends it with both buffers back."""
+    while chunk i is copied into the engine's blocks; a miss ends it with both buffers back.
+    (A window of one chunk here: with a larger one, the next window is read the same way.)"""
     caches = kv_caches()
     worker.register_kv_caches(caches)
     keys = saved_chunks(worker, caches)
     assert worker._paged is not None and worker._load_pool is not None
+    worker._window = 1
     log_: list[tuple[str, str, float]] = []
-    real_get, real_scatter = worker.store.get_into, worker._paged.scatter
+    real_get, real_scatter = worker.store.get_many_into, worker._paged.scatter
 
     def get_into(*args: Any, **kw: Any) -> Any:
         log_.append(("read", threading.current_thread().name, time.monotonic()))
@@ -117,7 +119,7 @@ def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
         real_scatter(*args, **kw)
         log_.append(("copied", threading.current_thread().name, time.monotonic()))
 
-    monkeypatch.setattr(worker.store, "get_into", get_into)
+    monkeypatch.setattr(worker.store, "get_many_into", get_into)
     monkeypatch.setattr(worker._paged, "scatter", scatter)
     worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
     finish(worker, "r2")
@@ -133,11 +135,37 @@ def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
     finish(worker, "r3")
     assert worker.take_load_errors() == {10, 11, 12, 13}
     assert same_blocks(caches, [8, 9], [0, 1])
-    assert worker._load_pool._free.qsize() == len(worker._load_pool._backing)
+    assert worker._load_pool.free() == worker._load_pool.count
     worker.read_ahead = False  # one buffer, one thread: the same result
     worker.load([LoadOp("r4", keys, [[8, 9], [10, 11]])])
     finish(worker, "r4")
     assert same_blocks(caches, [8, 9, 10, 11], [0, 1, 2, 3]) and worker.take_load_errors() == set()
+
+
+def test_a_requests_chunks_are_read_together_and_a_miss_among_them_ends_the_load(
+        worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader reads a request's chunks in one ``get_many_into`` (whole records, several in
+    flight); the chunks before a miss are loaded, the miss and every later chunk recomputed."""
+    caches = kv_caches()
+    worker.register_kv_caches(caches)
+    keys = saved_chunks(worker, caches)
+    calls: list[int] = []
+    real = worker.store.get_many_into
+
+    def spy(ks: Any, outs: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(len(ks))
+        return real(ks, outs, *a, **kw)
+
+    monkeypatch.setattr(worker.store, "get_many_into", spy)
+    worker.load([LoadOp("r2", keys, [[4, 5], [6, 7]])])
+    finish(worker, "r2")
+    assert calls == [2] and same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+    worker.store.evict([keys[1]])  # gone between the lookup and the load: the second of the two
+    worker.load([LoadOp("r3", keys, [[8, 9], [10, 11]])])
+    finish(worker, "r3")
+    assert calls == [2, 2] and worker.take_load_errors() == {10, 11}
+    assert same_blocks(caches, [8, 9], [0, 1])
+    assert worker.loaded_chunks == 3 and worker.load_failures == 1
 
 
 @pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
@@ -157,8 +185,9 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
             return real(*args, **kw)
         return call
 
-    if fault == "store read":
-        monkeypatch.setattr(worker.store, "get_into", fail_on_the_second_chunk(worker.store.get_into))
+    if fault == "store read":  # a read of one chunk at a time, so that the second read is the second chunk's
+        worker._window = 1
+        monkeypatch.setattr(worker.store, "get_many_into", fail_on_the_second_chunk(worker.store.get_many_into))
     else:
         assert worker._paged is not None
         monkeypatch.setattr(worker._paged, "scatter", fail_on_the_second_chunk(worker._paged.scatter))

@@ -243,7 +243,7 @@ def test_a_failed_load_is_counted_with_the_chunks_vllm_recomputes(
     else:
         def broken(*args: Any, **kw: Any) -> Any:
             raise OSError("injected fault")
-        monkeypatch.setattr(worker.store, "get_into", broken)
+        monkeypatch.setattr(worker.store, "get_many_into", broken)
     load(worker, keys)
     report = worker.take_stats()
     assert counters(report) == {"failed_loads": {fault: 1}, "failed_load_chunks": {fault: 2}}

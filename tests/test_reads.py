@@ -238,8 +238,8 @@ def test_the_worker_checks_every_read_against_the_chunk_size_itself(
     worker.save([SaveOp("r1", first, [0, 1])])
     assert worker.flush(10)
     assert worker.store.put(second, content(second, FMT.chunk_bytes // 2), {"dtype": "float32"}, tokens=32)
-    real = worker.store.get_into
-    monkeypatch.setattr(worker.store, "get_into", lambda k, out, *a, **kw: real(k, out))
+    real = worker.store.get_many_into
+    monkeypatch.setattr(worker.store, "get_many_into", lambda keys, outs, *a, **kw: real(keys, outs))
     before = {n: t[[6, 7]].clone() for n, t in caches.items()}
     worker.take_stats()
     worker.load([LoadOp("r2", [first, second], [[4, 5], [6, 7]])])
