@@ -19,8 +19,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+#: modules that start a vLLM engine: the fast lane does not even import them
+SLOW_MODULES = {"test_vllm_connector.py", "test_vllm_metrics.py", "test_router_index.py", "test_demo_tours.py"}
+
+
+def slow_tests() -> set[str]:
+    """The tests tests/slow.txt names (``file::function``), which the fast lane leaves out."""
+    lines = (ROOT / "tests" / "slow.txt").read_text().splitlines()
+    return {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="the fast lane: leave out the engine modules and the tests tests/slow.txt names")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("--fast") and collection_path.name in SLOW_MODULES:
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    """With ``--fast``, the slow tests are deselected. Tests marked ``gpu`` run only where
+    torch sees a CUDA device."""
+    if config.getoption("--fast"):
+        slow = slow_tests()
+        keep = [i for i in items if i.nodeid.split("[")[0] not in slow]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("[")[0] in slow])
+            items[:] = keep
     gpu = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu:
         return

@@ -332,3 +332,19 @@ def test_txn_rows_stay_within_their_prefix_in_both_directions(tmp_path: Path) ->
             assert t.entries("events") == 0
     finally:
         idx.close()
+
+
+def test_the_fast_lanes_list_names_tests_that_exist() -> None:
+    """tests/slow.txt (what ``scripts/test.sh --fast`` leaves out) names test functions of
+    test files that exist: a renamed test would silently join the fast lane otherwise."""
+    import re
+
+    from conftest import ROOT, SLOW_MODULES, slow_tests
+
+    listed = slow_tests()
+    assert len(listed) > 20
+    for node in listed:
+        path, _, name = node.partition("::")
+        src = ROOT / path
+        assert src.is_file() and re.search(rf"^def {re.escape(name)}\(", src.read_text(), re.M), node
+    assert all((ROOT / "tests" / m).is_file() for m in SLOW_MODULES)
