@@ -387,13 +387,13 @@ def test_load_policy_recomputes_a_prefix_that_a_slow_tier_would_load_too_slowly(
         assert eng.run(P)[0] == reference[("P", None)]  # a miss: the two chunks are saved
         conn = eng.connector()
         sched = next(c for c in live_connectors() if c.role.name == "SCHEDULER")
-        real = conn.store.get_into
+        real = conn.store.get_many_into  # the loader's read
 
-        def slow_tier(*args: Any, **kw: Any) -> Any:
-            time.sleep(0.5)  # 1 MiB chunks at 2 MB/s, where this model computes 256 tokens in ms
-            return real(*args, **kw)
+        def slow_tier(keys: Any, *args: Any, **kw: Any) -> Any:
+            time.sleep(0.5 * len(keys))  # 1 MiB chunks at 2 MB/s, where this model computes 256 tokens in ms
+            return real(keys, *args, **kw)
 
-        conn.store.get_into = slow_tier  # type: ignore[method-assign]
+        conn.store.get_many_into = slow_tier  # type: ignore[method-assign]
         out, cached = eng.run(P)
         assert out == reference[("P", None)] and cached == 512 and conn.loaded_chunks == 2
         assert sched.stats()["decisions"]["load"] == 1
