@@ -116,6 +116,13 @@ def _drain(term: Terminal, path: str, budget: str | None, deadline: str | None, 
     Ctrl-C writes the manifest of what went and ends it with exit status 130."""
     args: dict[str, Any] = {"dry_run": dry_run}
     if budget is not None:
+        from store.config import parse_unit_size
+        from store.errors import StoreError
+
+        try:
+            parse_unit_size(budget, "--budget")  # here too: a typo is told before any daemon is asked
+        except StoreError as exc:
+            raise CommandError("usage", str(exc)) from None
         args["budget"] = budget
     if deadline is not None:
         try:
