@@ -17,7 +17,8 @@ Per contender and chunk shape, in one round (``--total-mib`` of chunks):
         the next: lmctl ``Store.put_many`` (payload synced, then the index commit);
         LMCache's put of the batch, waited for, then an fsync of each of its files (LMCache
         itself never syncs); raw: O_DIRECT writes of whole chunks, one fdatasync per batch,
-        1, 4 and 8 in flight (the best is taken)
+        1, 4 and 8 in flight, and 4 in flight into a file allocated beforehand (the best is
+        taken; the reads read that last file)
   get   page cache dropped first (as root), then batches of ``--get-batch`` chunks (one
         request's prefix): lmctl ``Store.get_many_into`` into reused page-aligned buffers
         (one region whose pages were written in order, as an engine's staging pool; the raw
@@ -86,6 +87,9 @@ def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> d
     out: dict[str, float] = {}
     for depth in (1, 4, 8):
         out[f"put_qd{depth}"] = raw_write(path, src, size, count, put_batch, depth, False)
+    # last, so that the reads below read a file laid out in few extents (pieces written in
+    # parallel into blocks allocated as they arrive scatter a file: store.segment.reserve)
+    out["put_qd4_prealloc"] = raw_write(path, src, size, count, put_batch, 4, True)
     bufs = buffers(size, 8)
     for depth in (1, 2, 4, 8):
         drop_caches()

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 
 import store.segment as segment  # noqa: E402
 from store import GiB, MiB, PutItem, Store, StoreConfig, TierConfig  # noqa: E402
+from store.memory import Region, huge_region  # noqa: E402
 from store.segment import supports_direct_io  # noqa: E402
 
 SHAPES = {
@@ -65,16 +66,19 @@ Buf = memoryview | mmap.mmap
 
 
 def buffers(size: int, count: int) -> list[memoryview]:
-    """``count`` page-aligned buffers of ``size`` bytes carved from one region whose pages
-    are written in order here, as an engine's staging pool (or LMCache's allocator) holds
-    them. Measured on this disk: O_DIRECT into buffers mapped one by one, or faulted in by
-    the reading threads, runs up to 1.9x slower than into such a region (the destination's
-    physical pages decide how many segments each request needs; a request here carries at
-    most 254), so every contender gets the same kind of memory (docs/performance.md)."""
-    stride = (size + 4095) // 4096 * 4096
-    region = mmap.mmap(-1, stride * count)
-    np.frombuffer(region, dtype=np.uint8)[:] = 0  # every page written once, in order
-    return [memoryview(region)[i * stride : i * stride + size] for i in range(count)]
+    """``count`` page-aligned buffers of ``size`` bytes carved from one region on huge pages
+    (where the kernel gives them; else small pages written in order), as the engine's
+    staging pool holds them (``store.memory.Region``). Measured on this disk: O_DIRECT into
+    buffers mapped one by one, or faulted in by the reading threads, runs up to 1.9x slower
+    than into such a region (the destination's physical pages decide how many segments
+    each request needs; a request here carries at most 254), so every contender but
+    LMCache, which brings its own allocator, gets the same memory (docs/performance.md)."""
+    region, views = huge_region(size, count)
+    _REGIONS.append(region)  # kept alive as long as the views
+    return views
+
+
+_REGIONS: list[Region] = []
 
 
 def chunk_bytes(layers: int, heads: int, dim: int) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from store import DiskFullError, KVFormat, PutItem, ReadOnlyError, Store, StoreError
+from store.memory import Region
 from store.segment import ALIGN
 from store.tensors import to_dtype
 
@@ -51,14 +52,21 @@ class StagingPool:
         self.count = count
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         # one region for all the buffers, every page written once, in order, here (not on
-        # the hot path): O_DIRECT into it ran up to 1.6x faster than into buffers allocated
-        # one by one (the pages' physical layout sets how many segments a disk request
-        # needs: docs/performance.md)
+        # the hot path); in host memory, on huge pages where the kernel gives them: the
+        # pages' physical layout sets how many requests an O_DIRECT read of a chunk takes
+        # (store/memory.py, docs/performance.md)
         stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        raw = torch.empty(stride * count + ALIGN, dtype=torch.uint8, pin_memory=pinned)
-        skip = (-raw.data_ptr()) % ALIGN
-        raw[skip : skip + stride * count].fill_(0)
-        self._backing = [raw]
+        self._backing: list[Any] = []
+        if pinned:  # page-locked by the CUDA driver, so copies to and from it are DMA
+            raw = torch.empty(stride * count + ALIGN, dtype=torch.uint8, pin_memory=True)
+            skip = (-raw.data_ptr()) % ALIGN
+            raw[skip : skip + stride * count].fill_(0)
+            self._backing.append(raw)
+        else:
+            region = Region(stride * count)
+            raw = torch.frombuffer(region.view, dtype=torch.uint8)
+            skip = 0
+            self._backing += [region, raw]
         for i in range(count):
             self._free.put(raw[skip + i * stride : skip + i * stride + nbytes])
 
