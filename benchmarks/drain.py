@@ -12,7 +12,7 @@ order:
   put    ``RemoteTier.put`` of every chunk's stored bytes, read from the store beforehand (not
          timed): the client library, the MAC and the server on this machine, the limit drain
          can reach
-  drain  the daemon's ``drain`` operation (``lmctl/ops.py``, as ``lmctl drain`` runs it, less
+  drain  the daemon's ``drain`` operation (``lmctl/ops/drain.py``, as ``lmctl drain`` runs it, less
          the socket) over the whole store: order the chunks, then for each read its stored
          bytes from the nvme tier, verify them, put them, log an event every 64 chunks; the
          next chunk is read while one is put

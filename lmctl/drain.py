@@ -1,7 +1,7 @@
 """``lmctl drain``: before scale-down, copy this instance's chunks to the remote tier and write
 the manifest the replacement's ``warm --manifest`` reads (docs/cli.md, drain).
 
-The daemon copies (``drain`` request, ``lmctl/ops.py``: pinned documents first, then by recent
+The daemon copies (``drain`` request, ``lmctl/ops/drain.py``: pinned documents first, then by recent
 hits, within the budget and deadline) and streams the manifest entries of what went as it
 goes, each after its chunks are whole in the remote tier; this side collects them and writes
 the manifest at the end, or, on Ctrl-C, the manifest of what it got so far: every chunk it

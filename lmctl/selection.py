@@ -4,7 +4,7 @@ to chunk keys.
 A selector names chunks by key, by filters (model, adapter, base, label, tier, age, pins)
 or by a document, whose keys are computed in the namespaces the engine hook recorded for
 the model. The CLI builds selectors (``lmctl/selectors.py``); the operations
-(``lmctl/ops.py``) act on what ``select`` resolves them to. Errors in a selector are
+(``lmctl/ops/``) act on what ``select`` resolves them to. Errors in a selector are
 ``UsageError``s.
 """
 

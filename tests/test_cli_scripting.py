@@ -293,7 +293,7 @@ def test_evict_dry_run_lists_what_would_go_pasteable_with_o_name(big: Daemon, mo
     assert [x.split("\t")[0] for x in tsv] == unpinned and tsv[0].split("\t")[1] == "nvme"
     assert cli(big, "evict", "--model", "big", "-o", "name").returncode == 2  # -o lists a dry run only
     # a table shows the first rows and says how many more there are
-    monkeypatch.setattr("lmctl.cli.VICTIM_ROWS", 10)
+    monkeypatch.setattr("lmctl.commands.changes.VICTIM_ROWS", 10)
     h2 = lmctl(big, "evict", "--model", "big", "--dry-run")
     assert h2.exit_code == 0 and unpinned[9][32:48] in h2.stdout and unpinned[10][32:48] not in h2.stdout
     assert "... and 26 more (-o name or -o tsv lists them all)" in h2.stdout

@@ -503,7 +503,7 @@ def test_warm_says_where_chunks_went_and_what_it_does_not_know(tmp_path: Path) -
         assert r.stdout.startswith("brought 6 chunk(s) into nvme: 48.0 KiB")
     finally:
         assert d.stop() == 0
-    from lmctl.cli import _show_warm
+    from lmctl.commands.warm import _show_warm
 
     out = io.StringIO()
     _show_warm(Terminal(stdout=out, is_tty=False, color=False),

@@ -348,3 +348,37 @@ def test_the_fast_lanes_list_names_tests_that_exist() -> None:
         src = ROOT / path
         assert src.is_file() and re.search(rf"^def {re.escape(name)}\(", src.read_text(), re.M), node
     assert all((ROOT / "tests" / m).is_file() for m in SLOW_MODULES)
+
+
+# -- file sizes: no module over 700 lines ------------------------------------------------------
+MAX_LINES = 700
+#: known debt (issue 20, item 4): store modules still over the limit, being split by their own
+#: work; a file leaves this list when it is split, and no other file may join it
+OVER_LIMIT_DEBT = {"store/store.py", "store/remote.py", "store/index.py", "store/recovery.py", "store/segment.py"}
+
+
+def long_files(root: Path, packages: tuple[str, ...], limit: int = MAX_LINES) -> dict[str, int]:
+    """The Python files under ``packages`` (sub-packages too) longer than ``limit`` lines, by
+    path relative to ``root``."""
+    found = {}
+    for pkg in packages:
+        for p in sorted((root / pkg).rglob("*.py")):
+            n = len(p.read_text().splitlines())
+            if n > limit:
+                found[p.relative_to(root).as_posix()] = n
+    return found
+
+
+def test_the_size_check_finds_a_long_file_in_a_sub_package(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * 700)
+    (tmp_path / "pkg" / "sub" / "long.py").write_text("x = 1\n" * 701)
+    assert long_files(tmp_path, ("pkg",)) == {"pkg/sub/long.py": 701}
+
+
+def test_no_module_is_over_700_lines_but_the_known_debt() -> None:
+    """lmctl/ and engine_hook/ hold no file over 700 lines; in store/, only the files listed as
+    known debt may still be."""
+    over = long_files(ROOT, ("store", "lmctl", "engine_hook"))
+    assert {path: n for path, n in over.items() if path not in OVER_LIMIT_DEBT} == {}
+    assert all(path.startswith("store/") for path in OVER_LIMIT_DEBT)  # lmctl/ and engine_hook/ have none
