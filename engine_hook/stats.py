@@ -78,6 +78,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("already_stored_chunks", "counter",
            "Chunks queued for saving that the store already held when the writer came to them "
            "(another engine or request wrote them first): not written again."),
+    Metric("not_admitted_chunks", "counter",
+           "Chunks the store did not write because its admission setting (admit = second-hit) keeps a chunk "
+           "off NVMe until its prefix is seen again: a normal result, not a dropped save."),
     Metric("dropped_saves", "counter",
            "Chunks not saved, by reason: queue_full (every staging buffer waited for the writer), "
            "store_full (the store refused it: the tier is full of pinned chunks or too small), "

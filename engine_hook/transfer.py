@@ -94,6 +94,7 @@ class WriterStats:
     queued: int = 0
     saved: int = 0
     already_stored: int = 0
+    not_admitted: int = 0  # the store's admission kept it off NVMe (admit = second-hit): not an error
     dropped: int = 0
     rejected_full: int = 0  # the store refused it (the tier is full of pinned chunks, or too small)
     read_only: int = 0  # the store refused it: its filesystem is read-only
@@ -234,33 +235,36 @@ class ChunkWriter:
             t0 = time.perf_counter()
             try:
                 items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens, prefix=j.prefix) for j in jobs]
-                results = self.store.put_many(items)
+                results = self.store.save_many(items)
             except ReadOnlyError as exc:  # the disk went read-only: hits go on, saves are counted
                 if not self.stats.read_only:
                     log.warning("lmctl: saves are refused from now on: %s", exc)
-                results = [False] * len(jobs)
+                results = ["failed"] * len(jobs)
                 self.stats.read_only += len(jobs)
                 self._record({"dropped_saves": len(jobs)}, "read_only")
                 self._note_drops([(j.key, "read-only") for j in jobs])
             except Exception as exc:  # never let a disk problem reach the engine
                 log.warning("lmctl: saving %d chunks failed: %s", len(jobs), exc, exc_info=True)
-                results = [False] * len(jobs)
+                results = ["failed"] * len(jobs)
                 self.stats.failed += len(jobs)
                 self._record({"dropped_saves": len(jobs)}, "error")
                 why = "disk-full" if isinstance(exc, DiskFullError) else "failed"
                 self._note_drops([(j.key, why) for j in jobs])
             else:
                 done = time.perf_counter()
-                for j, ok in zip(jobs, results, strict=True):
-                    if ok:
+                for j, outcome in zip(jobs, results, strict=True):
+                    if outcome == "stored":
                         self.stats.saved += 1
                         self.stats.bytes += j.buf.numel()
                         self._record({"saved_chunks": 1, "saved_bytes": j.buf.numel()},
                                      observe={"save_seconds": done - j.queued_at})
-                    elif self._stored(j.key):
+                    elif outcome == "present":
                         self.stats.already_stored += 1
                         self._record({"already_stored_chunks": 1})
-                    else:  # put_many stores nothing for a chunk that cannot fit
+                    elif outcome == "not-admitted":  # kept off NVMe until its prefix comes again
+                        self.stats.not_admitted += 1
+                        self._record({"not_admitted_chunks": 1})
+                    else:  # no-room: put_many stores nothing for a chunk that cannot fit
                         self.stats.rejected_full += 1
                         self._record({"dropped_saves": 1}, "store_full")
             self.stats.busy_s += time.perf_counter() - t0
@@ -271,14 +275,6 @@ class ChunkWriter:
             for _j in jobs:
                 self._q.task_done()
             self._report_queue()
-
-    def _stored(self, key: bytes) -> bool:
-        """Whether a chunk that put_many did not store is in the store (already stored)
-        rather than refused (no room)."""
-        try:
-            return self.store.contains(key)
-        except Exception:  # a store that cannot answer: count it as stored, as before
-            return True
 
 
 class PagedKV:

@@ -33,6 +33,16 @@ class TierConfig:
     capacity: int
     path: str | None = None
     pin_budget: float = 0.5
+    #: the nvme tier's endurance budget: ``1DWPD`` (drive writes per day: the tier's capacity
+    #: written once a day) or a size per day (``500GiB/day``); None: no budget. Every byte
+    #: written to the tier counts (records, segment headers, compaction, dram spills);
+    #: ``lmctl status`` warns when the store is on course to write more (store/admission.py)
+    write_budget: str | None = None
+
+    @property
+    def write_budget_bytes(self) -> int | None:
+        """The write budget in bytes per day (None: none)."""
+        return parse_write_budget(self.write_budget, self.capacity)
 
     @property
     def pin_budget_bytes(self) -> int:
@@ -40,6 +50,13 @@ class TierConfig:
 
 
 REMOTE_WRITES = ("always", "evict", "never")
+#: ``admit``: ``all`` writes every chunk an engine computes; ``second-hit`` writes a chunk to the
+#: nvme tier only once its key has been put before (store/admission.py)
+ADMIT_MODES = ("all", "second-hit")
+#: the ghost list's default size (chunk keys remembered by ``second-hit``): about 20 MiB of index
+ADMIT_GHOSTS = 262144
+#: the most keys the ghost list may remember
+ADMIT_GHOSTS_MAX = 1 << 26
 
 
 @dataclass
@@ -119,6 +136,13 @@ class StoreConfig:
     #: events the store's event log keeps (evictions, corrupt drops, dropped saves, pins); the
     #: oldest go first. Their counters are kept apart and never dropped
     event_log_max: int = 10000
+    #: which computed chunks are written to the nvme tier (``ADMIT_MODES``): ``second-hit``
+    #: keeps a chunk off it until its key is seen a second time (a bounded ghost list of keys in
+    #: the index), and a chunk that leaves the dram tier unread and unseen again is dropped, not
+    #: spilled. Pinned chunks are always admitted
+    admit: str = "all"
+    #: how many chunk keys the ghost list remembers (the oldest are forgotten first)
+    admit_ghosts: int = ADMIT_GHOSTS
 
     def validate(self) -> None:
         if not self.tiers:
@@ -130,6 +154,11 @@ class StoreConfig:
                 raise StoreError(f"tier {name} needs a positive capacity in bytes")
             if t.pin_budget < 0:
                 raise StoreError(f"tier {name}: pin budget must not be negative")
+            if t.write_budget is not None:
+                if name != "nvme":
+                    raise StoreError(f"tier {name} takes no write budget: only the nvme tier wears out "
+                                     "(tiers.nvme.write_budget)")
+                parse_write_budget(t.write_budget, t.capacity)
         if self.default_tier not in self.tiers:
             raise StoreError(f"default tier {self.default_tier!r} is not configured")
         if self.segment_bytes < 64 * 1024:
@@ -143,6 +172,11 @@ class StoreConfig:
         if isinstance(self.event_log_max, bool) or not isinstance(self.event_log_max, int) or \
                 not 1 <= self.event_log_max <= EVENT_LOG_MAX:
             raise StoreError(f"event_log_max must be a whole number of events, 1 to {EVENT_LOG_MAX}")
+        if self.admit not in ADMIT_MODES:
+            raise StoreError(f"admit must be one of {', '.join(ADMIT_MODES)}, not {str(self.admit)[:40]!r}")
+        if isinstance(self.admit_ghosts, bool) or not isinstance(self.admit_ghosts, int) or \
+                not 1 <= self.admit_ghosts <= ADMIT_GHOSTS_MAX:
+            raise StoreError(f"admit_ghosts must be a whole number of chunk keys, 1 to {ADMIT_GHOSTS_MAX}")
         if self.remote is not None:
             self.remote.validate()
         from .codec import codec_id
@@ -155,7 +189,9 @@ class StoreConfig:
     @classmethod
     def from_json(cls, text: str | bytes) -> StoreConfig:
         doc = json.loads(text)
-        doc["tiers"] = {k: TierConfig(**v) for k, v in doc["tiers"].items()}
+        tier_known = set(TierConfig.__dataclass_fields__)
+        doc["tiers"] = {k: TierConfig(**{f: x for f, x in v.items() if f in tier_known})
+                        for k, v in doc["tiers"].items()}
         for name in ("remote", "remote_off"):
             if isinstance(doc.get(name), dict):
                 doc[name] = RemoteConfig(**doc[name])
@@ -225,3 +261,39 @@ def parse_size(value: int | float | str) -> int:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise StoreError(f"size {shown} is too large: the largest size is 2^63 - 1 bytes (just under 8EiB)")
     return int(n * _UNITS[unit])
+
+
+#: a write budget: drive writes per day, or a size per day
+_BUDGET_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*dwpd\s*", re.I)
+_PER_DAY_RE = re.compile(r"(.+?)\s*/\s*(?:day|d)\s*", re.I)
+
+
+def parse_write_budget(value: object, capacity: int) -> int | None:
+    """Bytes per day from a write budget: ``1DWPD`` / ``0.5 DWPD`` (drive writes per day of a
+    tier of ``capacity`` bytes), or a size per day (``500GiB/day``, ``2TB/d``); None for
+    none (None, ``""``, ``"none"``). ``StoreError`` saying how to write it otherwise."""
+    if value is None:
+        return None
+    hint = "write it as drive writes per day of the nvme tier's capacity (1DWPD, 0.3DWPD) or a size per day " \
+           "(500GiB/day), or none"
+    if not isinstance(value, str):
+        raise StoreError(f"write budget {str(value)[:40]!r} is not a budget: {hint}")
+    text = value.strip()
+    if text.lower() in ("", "none"):
+        return None
+    m = _BUDGET_RE.fullmatch(text)
+    if m:
+        dwpd = float(m.group(1))
+        if not 0 < dwpd <= 1000:
+            raise StoreError(f"write budget {text[:40]!r}: give more than 0 and at most 1000 drive writes per day")
+        return max(1, int(dwpd * capacity))
+    m = _PER_DAY_RE.fullmatch(text)
+    if m and re.search(r"[a-zA-Z]", m.group(1)):
+        try:
+            n = parse_size(m.group(1))
+        except StoreError:
+            raise StoreError(f"write budget {text[:40]!r} is not a budget: {hint}") from None
+        if n <= 0:
+            raise StoreError(f"write budget {text[:40]!r} must be more than nothing per day")
+        return n
+    raise StoreError(f"write budget {text[:40]!r} is not a budget: {hint}")

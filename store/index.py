@@ -677,11 +677,12 @@ class Index:
         (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
         (self.announce,), self.has_announce = self._later_dbs(b"announce")
+        (self.admission,), self.has_admission = self._later_dbs(b"admission")
         self._dbs: dict[str, Any] = {
             "meta": self.meta, "chunks": self.chunks, "lru": self.lru, "locs": self.locs, "segs": self.segs,
             "pins": self.pins, "labels": self.labels, "namespaces": self.ns, "prefixes": self.prefixes,
             "events": self.events, "keylabels": self.keylabels, "counts": self.counts,
-            "announce": self.announce}
+            "announce": self.announce, "admission": self.admission}
         assert tuple(self._dbs) == DB_NAMES
 
     def db(self, name: DbName) -> Any:

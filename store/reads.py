@@ -480,6 +480,11 @@ class Reads:
             self._counts["hits"] += 1
             self._schedule()
 
+    def read_lately(self, key: bytes) -> bool:
+        """Whether this process read ``key`` since its last flush of the access log."""
+        with self.lock:
+            return key in self._access
+
     def flush_if_due(self) -> None:
         """After a metric count made outside reads: make sure the timer flushes it within
         ``access_flush_s`` (so the counts of a process that goes quiet still arrive). Never

@@ -32,6 +32,13 @@ counts      ``n`` + namespace id + tier (1)             ``Counts`` of the namesp
             ``k`` + label                               keys the label pins (u64), stored or not
 announce    ``p`` + chain position (BE u32) + chunk key  an engine's announcement record
             ``k`` + chunk key                           its position (store/announce.py)
+admission   ``g`` + key fingerprint (16 bytes)          the ghost list (store/admission.py):
+                                                        slot (BE u32), sightings (u8)
+            ``s`` + slot (BE u32)                       the fingerprint in that slot (a ring)
+            ``w`` + tier (1) + hour (BE u64)            bytes written to the tier in that hour
+                                                        since the epoch (u64): the last day's
+            ``t`` + tier (1)                            when the tier's writes were first
+                                                        counted (double, Unix time)
 ==========  ==========================================  =====================================
 """
 
@@ -42,9 +49,9 @@ from typing import Literal
 
 #: the sub-databases (``prefixes``/``events`` and ``keylabels``/``counts`` came after format 1)
 DbName = Literal["meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces", "prefixes", "events",
-                 "keylabels", "counts", "announce"]
+                 "keylabels", "counts", "announce", "admission"]
 DB_NAMES: tuple[DbName, ...] = ("meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces",
-                                "prefixes", "events", "keylabels", "counts", "announce")
+                                "prefixes", "events", "keylabels", "counts", "announce", "admission")
 
 # -- meta ----------------------------------------------------------------------------------
 META_CONFIG = b"config"  # the settings (StoreConfig JSON)
@@ -165,6 +172,38 @@ def announce_row(pos: int | bytes, key: bytes = b"") -> bytes:
 
 def announce_key_row(key: bytes) -> bytes:
     return ANNOUNCE_KEY + key
+
+
+# -- admission ------------------------------------------------------------------------------
+GHOST_ROW = b"g"
+GHOST_SLOT = b"s"
+WRITTEN_ROW = b"w"
+WRITTEN_SINCE = b"t"
+
+
+def ghost_row(fp: bytes) -> bytes:
+    """The ghost list's row of a key fingerprint."""
+    return GHOST_ROW + fp
+
+
+def ghost_slot_row(slot: int) -> bytes:
+    """The ghost list's ring slot ``slot``."""
+    return GHOST_SLOT + _BE32.pack(slot)
+
+
+def written_row(tier: int, hour: int | None = None) -> bytes:
+    """The row of the bytes written to tier ``tier`` in hour ``hour`` (None: the start of the
+    tier's rows)."""
+    return WRITTEN_ROW + bytes([tier]) + (b"" if hour is None else _BE64.pack(hour))
+
+
+def written_hour(row: bytes | memoryview) -> int:
+    """The hour of a ``written_row``."""
+    return int(_BE64.unpack(bytes(row[2:10]))[0])
+
+
+def written_since_row(tier: int) -> bytes:
+    return WRITTEN_SINCE + bytes([tier])
 
 
 def key_after(row: bytes) -> bytes:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .admission import note_written
 from .clock import SYSTEM_CLOCK, Clock
 from .config import StoreConfig, TierConfig
 from .errors import StoreError
@@ -72,12 +73,15 @@ class Space:
 
     # -- reserving ---------------------------------------------------------------------
     def reserve(self, st: TierState, needs: list[tuple[bytes, int]],
-                replacing: set[bytes] | None = None) -> list[Slot | None]:
+                replacing: set[bytes] | None = None, also: Callable[[Txn], None] | None = None) -> list[Slot | None]:
         """Reserve room for records (key, length) in this process's open segment of ``st``,
         in one transaction. A key already stored (unless being replaced) or a record that
-        does not fit under the tier's capacity gets None (and the latter is counted)."""
+        does not fit under the tier's capacity gets None (and the latter is counted).
+        ``also``: more to do in that transaction (the admission's record of the keys saved)."""
 
         def fn(t: Txn) -> list[Slot | None]:
+            if also is not None:
+                also(t)
             out: list[Slot | None] = []
             cap = st.cfg.capacity
             used = t.counter(f"used:{st.name}")
@@ -105,6 +109,7 @@ class Space:
         s.size += n
         t.put_segment(sid, s)
         t.add(f"used:{st.name}", n)
+        note_written(t, st.name, n, self.clock.time())  # the endurance count (a write of the tier's)
         assert st.open_fd is not None
         return sid, off, st.open_fd
 
@@ -130,6 +135,7 @@ class Space:
         t.put_segment(sid, SegmentRecord(st.tid, SEG_OPEN, os.getpid(), ALIGN, 0, 0, self.clock.time()))
         t.add(f"used:{st.name}", ALIGN)
         t.add("written_bytes", ALIGN)
+        note_written(t, st.name, ALIGN, self.clock.time())
         st.open_seg, st.open_fd = sid, fd
         return sid
 

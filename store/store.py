@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .admission import Admission, WriteRate, write_rate
 from .announce import Announcements
 from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
@@ -233,8 +234,9 @@ class Store:
         # the access log has a lock of its own: a hit never waits for a write holding the store's
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
                             threading.RLock(), before_flush=(self._meter_remote,), clock=self.clock)
+        self._admission = Admission(self._index, cfg, self.clock)
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
-                              remote=lambda: self._sharing, clock=self.clock)
+                              self._admission, remote=lambda: self._sharing, clock=self.clock)
         self._share(self.config)
         self._promote_lock = threading.Lock()
         self._promoting: set[bytes] = set()
@@ -561,6 +563,7 @@ class Store:
         this returns."""
         removed = self._check_change(config)
         old_events_max = self.config.event_log_max
+        old_ghosts = self.config.admit_ghosts
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
         with self._lock:
             # a new tier's folder first: checked and marked (or refused) before anything changes
@@ -603,6 +606,8 @@ class Store:
                 st.cfg = config.tiers[name]
             if config.event_log_max < old_events_max:  # a smaller log: drop its oldest events now
                 self._index.write(lambda t: self._events.trim(t))
+            if config.admit_ghosts < old_ghosts:  # a smaller ghost list: forget what its ring lost
+                self._index.write(lambda t: self._admission.trim(t, config.admit_ghosts))
             self._share(config, sharing)  # before making room: a smaller tier spills as the new settings say
             for name in self._tiers:
                 self._writes.make_room(name, 0)
@@ -706,19 +711,29 @@ class Store:
         Returns, per item, whether it was stored. A chunk that is already present is
         not written again; a chunk that does not fit (the tier is full of pinned
         chunks, or the chunk is larger than the tier) is dropped and counted, never
-        raised: a cache that cannot store simply misses later. When the default tier's disk
+        raised: a cache that cannot store simply misses later. With ``admit =
+        "second-hit"``, a chunk saved to the nvme tier for the first time is not stored
+        either (``save_many`` tells it apart). When the default tier's disk
         is full or read-only, the batch spills to the next local tier (see ``Writes.save``).
         ``DiskFullError`` when the disk itself is full and no tier takes the batch (nothing
         of it is stored); ``ReadOnlyError`` when the store is read-only (``readonly``; the
         refused chunks are counted in ``refused_saves``).
         """
+        return [o == "stored" for o in self.save_many(items, tier, level=level)]
+
+    def save_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None) -> list[str]:
+        """``put_many``, saying what became of each chunk: ``stored``; ``present`` (it was
+        stored already); ``not-admitted`` (the ``admit`` setting kept it off the nvme tier
+        until its key is seen again: store/admission.py; not an error); ``no-room`` (the tier
+        is full of pinned chunks, or the chunk is larger than the tier). An engine's writer
+        calls this to count each apart."""
         for it in items:  # before anything is reserved or written: nothing of the batch then
             _check_put(it)
         t0 = self.clock.monotonic()
         try:
             if self.readonly:
                 raise ReadOnlyError(f"{len(items)} chunk(s) not stored: {self.readonly_reason}")
-            stored, where = self._writes.save(items, tier, level=level)
+            stored, where, declined = self._writes.save(items, tier, level=level)
         except ReadOnlyError:
             with self._lock:
                 self.refused_saves += len(items)
@@ -730,8 +745,14 @@ class Store:
             m.inc("save_bytes_total", sum(memoryview(it.data).nbytes for it, ok in zip(items, stored, strict=True)
                                           if ok), tier=where)
             m.observe("save_seconds", self.clock.monotonic() - t0, tier=where)
+        if n or any(declined):
             self._flush_if_due()
-        return stored
+        out = ["stored" if ok else "not-admitted" if no else "" for ok, no in zip(stored, declined, strict=True)]
+        if "" in out:  # not stored: present already, or no room
+            there = self._reads.locate([it.key for it, o in zip(items, out, strict=True) if not o])
+            found = iter(there)
+            out = [o or ("present" if next(found) is not None else "no-room") for o in out]
+        return out
 
     def _flush_if_due(self) -> None:
         """``Reads.flush_if_due`` after a count: an index that cannot be written now (a disk gone
@@ -1204,6 +1225,44 @@ class Store:
         wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
         return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
                           self._remote_refused)
+
+    def write_rates(self) -> dict[str, WriteRate]:
+        """Bytes written to the nvme tier (all time, the last 24 h, the rate per day projected
+        from them) and its write budget (``tiers.nvme.write_budget``), kept in the index so that
+        every process's writes count and a restart keeps the day (store/admission.py). Empty
+        for a store without an nvme tier."""
+        st = self._tiers.get("nvme")
+        if st is None:
+            return {}
+        with self._index.read() as t:
+            return {"nvme": write_rate(t, "nvme", self.clock.time(), st.cfg.write_budget, st.cfg.write_budget_bytes)}
+
+    def admission_stats(self) -> dict[str, Any]:
+        """The ``admit`` setting and what it did: keys the ghost list remembers (and may), and
+        the chunks (and their bytes) kept off the nvme tier, by path (``put``: an engine's
+        save to nvme; ``spill``: a chunk dropped as it left dram), every process's."""
+        out: dict[str, Any] = {"admit": self.config.admit, "ghosts": self._admission.ghosts(),
+                               "ghosts_max": self.config.admit_ghosts,
+                               "not_admitted": {"put": 0, "spill": 0}, "not_admitted_bytes": {"put": 0, "spill": 0}}
+        for c in self.metric_cells():
+            if c.name in ("not_admitted_total", "not_admitted_bytes_total"):
+                field = "not_admitted" if c.name == "not_admitted_total" else "not_admitted_bytes"
+                path = c.labels.get("path", "put")
+                out[field][path] = out[field].get(path, 0) + int(c.value)
+        return out
+
+    def warnings(self, rates: Mapping[str, WriteRate] | None = None) -> list[str]:
+        """What the operator should act on soon, a line each: a tier on course to write more
+        per day than its write budget (``rates``: ``write_rates()`` already read)."""
+        out = []
+        for name, r in (self.write_rates() if rates is None else rates).items():
+            if r.over_budget and r.budget_bytes_per_day:
+                hours = r.window_s / 3600
+                out.append(f"tier {name} is on course to write {human_size(r.per_day_bytes)}/day (the last "
+                           f"{hours:.1f} h), over its write budget of {human_size(r.budget_bytes_per_day)}/day "
+                           f"({r.budget}): set admit=second-hit, give it a dram tier in front, or raise "
+                           f"tiers.{name}.write_budget")
+        return out
 
     def notes(self) -> list[str]:
         """What an operator should know about how the store is set up, a line each: a tier

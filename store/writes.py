@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .admission import Admission
 from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import TIER_ORDER, StoreConfig
@@ -62,10 +63,13 @@ class Writes:
 
     def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
                  config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
-                 remote: Callable[[], Sharing | None] = lambda: None, clock: Clock = SYSTEM_CLOCK) -> None:
-        """``remote``: the remote tier as it is now (None: none), which takes the chunks a
-        put stores (write ``always``) or the chunks eviction drops (write ``evict``)."""
+                 admission: Admission, remote: Callable[[], Sharing | None] = lambda: None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        """``admission``: which saves reach the nvme tier (store/admission.py); ``remote``: the
+        remote tier as it is now (None: none), which takes the chunks a put stores (write
+        ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
+        self.admission = admission
         self.space = space
         self.evictor = evictor
         self.reads = reads
@@ -78,21 +82,24 @@ class Writes:
         self._refused_until: dict[str, float] = {}
 
     def save(self, items: Sequence[PutItem], tier: str | None = None, *,
-             level: int | None = None) -> tuple[list[bool], str]:
-        """``put_many`` for ``Store.put_many``; returns the results and the tier written to.
+             level: int | None = None) -> tuple[list[bool], str, list[bool]]:
+        """``put_many`` for ``Store.put_many``; returns the results, the tier written to, and
+        which chunks admission kept off the nvme tier (not stored, not an error).
 
         Saves to the default tier (``tier`` None) spill: when its disk is full (ENOSPC) or
         read-only, the batch goes to the next local tier (dram, then nvme), counted in the
         metric ``saves_spilled_total``, and that tier takes the default tier's saves for
         ``SPILL_RETRY_S`` before the default tier is tried again. A tier named by the caller
-        never spills."""
+        never spills, and is never asked for admission. With ``admit = "second-hit"`` a save
+        to the default tier records its keys in the ghost list, and one that goes to the nvme
+        tier writes only the chunks admission lets in (store/admission.py)."""
         if tier is not None:
-            return self.put_many(items, tier, level=level), tier
+            return self.put_many(items, tier, level=level), tier, [False] * len(items)
         first = self._config().default_tier
         chain = self._spill_chain(first)
         for n, name in enumerate(chain):
             try:
-                out = self.put_many(items, name, level=level)
+                out, declined = self._admitted_put(items, name, level)
             except (DiskFullError, ReadOnlyError) as exc:
                 if self.index.readonly or n == len(chain) - 1:
                     raise  # the index cannot be written, or no tier is left
@@ -103,8 +110,30 @@ class Writes:
                 self.reads.meter.inc("saves_spilled_total", sum(out), **{"from": first, "to": name})
             elif first in self._refused_until:
                 del self._refused_until[first]
-            return out, name
+            return out, name, declined
         raise AssertionError("unreachable: the last tier of the chain raises")
+
+    def _admitted_put(self, items: Sequence[PutItem], tier: str, level: int | None) -> tuple[list[bool], list[bool]]:
+        """An engine's save of ``items`` to ``tier``, as admission has it: the results, and
+        which items it kept off the tier."""
+        adm = self.admission
+        if not adm.second_hit():
+            return self.put_many(items, tier, level=level), [False] * len(items)
+        keys = [it.key for it in items]
+        if not adm.gates(tier):  # dram: every save lands; the keys are recorded for its spill
+            return self.put_many(items, tier, level=level, note=keys), [False] * len(items)
+        admitted = adm.decide(keys)
+        take = [it for it, ok in zip(items, admitted, strict=True) if ok]
+        got = iter(self.put_many(take, tier, level=level, note=keys))
+        out = [next(got) if ok else False for ok in admitted]
+        declined = [not ok for ok in admitted]
+        n = sum(declined)
+        if n:
+            m = self.reads.meter
+            m.inc("not_admitted_total", n, path="put")
+            m.inc("not_admitted_bytes_total", sum(memoryview(it.data).nbytes for it, d in
+                                                  zip(items, declined, strict=True) if d), path="put")
+        return out, declined
 
     def _spill_chain(self, first: str) -> list[str]:
         """The tiers a save to ``first`` may land in, in the order to try them: ``first`` and
@@ -116,10 +145,12 @@ class Writes:
         return fresh + [n for n in chain if n not in fresh]
 
     def put_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None,
-                 replace: dict[bytes, Entry] | None = None, share: bool = True) -> list[bool]:
+                 replace: dict[bytes, Entry] | None = None, share: bool = True,
+                 note: Sequence[bytes] = ()) -> list[bool]:
         """See ``Store.put_many``. ``replace``: keys whose current entry (as given) this
         batch replaces, for ``rewrite``; ``share``: tell ``on_stored`` (not for a rewrite or
-        a chunk that came from the remote tier)."""
+        a chunk that came from the remote tier); ``note``: keys to record in the ghost list
+        (store/admission.py) in the reserving transaction, stored or not."""
         st = self.space.tier(tier or self._config().default_tier)
         codec = self._codec()
         prepared = []
@@ -138,7 +169,8 @@ class Writes:
             needs = [(p.item.key, p.rec_len) for p in prepared]
             try:
                 self.make_room(st.name, sum(n for _k, n in needs))
-                plan = self.space.reserve(st, needs, replacing=set(replace or ()))
+                plan = self.space.reserve(st, needs, replacing=set(replace or ()),
+                                          also=(lambda t: self.admission.note(t, note)) if note else None)
             except OSError as exc:  # a new segment file could not be made
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFullError(f"the disk under tier {st.name} ({st.io.dir}) is full: no room for a new "
@@ -298,6 +330,14 @@ class Writes:
 
     def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
         if tier == "dram" and "nvme" in self.space.tiers:
+            if self.admission.second_hit():  # only chunks that earned it; the evictor drops the rest
+                admitted = self.admission.spill_admits(victims, self.reads.read_lately)
+                dropped = [e for (_k, e), ok in zip(victims, admitted, strict=True) if not ok]
+                if dropped:
+                    m = self.reads.meter
+                    m.inc("not_admitted_total", len(dropped), path="spill")
+                    m.inc("not_admitted_bytes_total", sum(e.raw_len for e in dropped), path="spill")
+                victims = [v for v, ok in zip(victims, admitted, strict=True) if ok]
             moved = self.rewrite([k for k, _e in victims], tier="nvme").chunks
             if moved:
                 log.debug("demoted %d chunk(s) from dram to nvme", moved)

@@ -260,7 +260,7 @@ def test_a_failed_save_is_logged_with_its_traceback_and_dropped(
 
 
 class _FailingStore:
-    def put_many(self, items: list[Any]) -> list[bool]:
+    def save_many(self, items: list[Any]) -> list[str]:
         raise OSError("injected disk error")
 
 

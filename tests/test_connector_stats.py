@@ -280,13 +280,13 @@ def test_dropped_saves_are_counted_by_reason(worker: LMCtlConnectorWorker, monke
     def disk_error(*args: Any, **kw: Any) -> Any:
         raise OSError("injected disk error")
 
-    monkeypatch.setattr(worker.store, "put_many", disk_error)
+    monkeypatch.setattr(worker.store, "save_many", disk_error)
     with caplog.at_level(logging.WARNING, logger="lmctl.engine_hook"):
         save_prompt(worker)
     assert counters(worker.take_stats()) == {"dropped_saves": {"error": 2}}
 
     # store_full: the store stored nothing and does not hold the chunk (it did not fit)
-    monkeypatch.setattr(worker.store, "put_many", lambda items, *a, **kw: [False] * len(items))
+    monkeypatch.setattr(worker.store, "save_many", lambda items, *a, **kw: ["no-room"] * len(items))
     save_prompt(worker)
     assert counters(worker.take_stats()) == {"dropped_saves": {"store_full": 2}}
     w = worker.stats()["writer"]

@@ -85,10 +85,10 @@ class _SlowStore:
         self.release = threading.Event()
         self.written: list[bytes] = []
 
-    def put_many(self, items: list) -> list[bool]:  # type: ignore[type-arg]
+    def save_many(self, items: list) -> list[str]:  # type: ignore[type-arg]
         self.release.wait(10)
         self.written.extend(it.key for it in items)
-        return [True] * len(items)
+        return ["stored"] * len(items)
 
 
 def test_writer_drops_and_counts_when_its_buffers_are_full() -> None:
