@@ -233,6 +233,26 @@ def test_the_worker_reports_saves_and_loads_with_their_tier_bytes_and_times(work
     assert counters(worker.take_stats()) == {"already_stored_chunks": {"": 2}}
 
 
+def test_a_save_the_store_does_not_admit_is_counted_apart_and_is_no_dropped_save(tmp_path: Path) -> None:
+    """``admit = "second-hit"``: the first save of a prefix is a normal result for the engine,
+    counted as not admitted; the second is written."""
+    from store import MiB, Store, StoreConfig, TierConfig
+
+    Store(tmp_path / "store", StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)}, admit="second-hit")).close()
+    settings = ConnectorSettings.parse({"store_path": str(tmp_path / "store"), **EXTRA})
+    w = LMCtlConnectorWorker(ConnectorContext(settings, "m", FMT, LAYERS, 16, None, None, {"engine": "test"}))
+    try:
+        w.register_kv_caches(kv_caches())
+        keys = save_prompt(w)
+        assert counters(w.take_stats()) == {"not_admitted_chunks": {"": 2}}
+        assert w.store.locate(keys) == [None, None] and w.stats()["writer"]["not_admitted"] == 2
+        save_prompt(w)
+        assert counters(w.take_stats()) == {"saved_chunks": {"": 2}, "saved_bytes": {"": 2 * CHUNK}}
+        assert w.store.locate(keys) == ["nvme", "nvme"]
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("fault", ["missing", "error"])
 def test_a_failed_load_is_counted_with_the_chunks_vllm_recomputes(
         worker: LMCtlConnectorWorker, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
