@@ -60,6 +60,10 @@ CELLS: dict[str, str] = {
     "remote_lookups_total": "Chunk keys looked up in the remote tier.",
     "remote_bad_values_total": "Remote values found unusable, by kind (forged, torn, foreign, evicted, too_small).",
     "remote_bytes_total": "Stored bytes moved to (out) and from (in) the remote tier.",
+    "not_admitted_total": "Chunks admit = second-hit kept off the nvme tier, by path (put: an engine's save, not "
+                          "written until its key is saved again; spill: a chunk leaving dram unread and unseen "
+                          "again, dropped). A normal result, not an error.",
+    "not_admitted_bytes_total": "Bytes of the chunks admission kept off the nvme tier (decoded size), by path.",
 }
 
 
@@ -138,6 +142,7 @@ class StoreCollector(Collector):
             yield CounterMetricFamily(metric, doc, value=float(stats.counters.get(counter, 0)))
         yield GaugeMetricFamily("lmctl_write_amplification", "Bytes written to segment files per payload byte.",
                                 value=stats.write_amplification)
+        yield from _endurance_families(store)
         yield from _cell_families(cells)
         gauges: dict[str, GaugeMetricFamily] = {}
         for g in store.metric_gauges():
@@ -171,6 +176,36 @@ class StoreCollector(Collector):
             for s in ("closed", "half-open", "open"):
                 state.add_metric([s], 1.0 if stats.remote.get("breaker") == s else 0.0)
             yield state
+
+
+#: the nvme tier's writes against its budget (``Store.write_rates``) and the ghost list
+ENDURANCE: dict[str, str] = {
+    "lmctl_tier_written_bytes_total": "Bytes written to a tier's segment files (records, segment headers, "
+                                      "compaction, spills from dram), every process's; the nvme tier's.",
+    "lmctl_tier_written_last_day_bytes": "Bytes written to a tier in the last 24 hours (hourly rows in the index).",
+    "lmctl_tier_write_rate_bytes_per_day": "A tier's writes per day, projected from the last 24 hours (from the "
+                                           "time counting began when that is less, and at least an hour).",
+    "lmctl_tier_write_budget_bytes_per_day": "The operator's write budget of a tier (tiers.nvme.write_budget), "
+                                             "where one is set.",
+    "lmctl_tier_write_budget_exceeded": "1 when a tier is on course to write more per day than its budget.",
+    "lmctl_admission_ghosts": "Chunk keys the ghost list of admit = second-hit remembers.",
+}
+
+
+def _endurance_families(store: Store) -> Iterator[Metric]:
+    rates = store.write_rates()
+    fams = {name: (CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily)(
+        name, doc, labels=["tier"]) for name, doc in ENDURANCE.items() if name != "lmctl_admission_ghosts"}
+    for tier, r in rates.items():
+        fams["lmctl_tier_written_bytes_total"].add_metric([tier], float(r.written_bytes))
+        fams["lmctl_tier_written_last_day_bytes"].add_metric([tier], float(r.written_24h_bytes))
+        fams["lmctl_tier_write_rate_bytes_per_day"].add_metric([tier], float(r.per_day_bytes))
+        if r.budget_bytes_per_day is not None:
+            fams["lmctl_tier_write_budget_bytes_per_day"].add_metric([tier], float(r.budget_bytes_per_day))
+            fams["lmctl_tier_write_budget_exceeded"].add_metric([tier], 1.0 if r.over_budget else 0.0)
+    yield from fams.values()
+    yield GaugeMetricFamily("lmctl_admission_ghosts", ENDURANCE["lmctl_admission_ghosts"],
+                            value=float(store.admission_stats()["ghosts"]))
 
 
 def _cell_families(cells: list[Cell]) -> Iterator[Metric]:

@@ -17,7 +17,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from store import StoreConfig, StoreError, TierConfig
-from store.config import EVENT_LOG_MAX, TIER_ORDER, RemoteConfig, parse_capacity, parse_size, parse_unit_size
+from store.config import (
+    ADMIT_GHOSTS_MAX,
+    ADMIT_MODES,
+    EVENT_LOG_MAX,
+    TIER_ORDER,
+    RemoteConfig,
+    parse_capacity,
+    parse_size,
+    parse_unit_size,
+    parse_write_budget,
+)
 
 from .completion import flatten
 from .errors import UsageError
@@ -25,8 +35,10 @@ from .units import format_duration, parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
-              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max")
-TIER_KEYS = ("capacity", "path", "pin_budget")
+              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max",
+              "admit", "admit_ghosts")
+#: ``write_budget`` is the nvme tier's only (``tiers.nvme.write_budget``; a dram tier does not wear)
+TIER_KEYS = ("capacity", "path", "pin_budget", "write_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
@@ -184,6 +196,16 @@ def _read_store_key(key: str, value: Any) -> Any:
         return n
     if key == "compact_dead_ratio":
         return _bounded(_number(value, key), key)
+    if key == "admit":
+        if not isinstance(value, str) or value.strip() not in ADMIT_MODES:
+            raise StoreError(f"admit {shown(value)} is not a mode: give {' or '.join(ADMIT_MODES)}")
+        return value.strip()
+    if key == "admit_ghosts":
+        n = _number(value, key, int)
+        if not 1 <= n <= ADMIT_GHOSTS_MAX:
+            raise StoreError(f"admit_ghosts must be between 1 and {ADMIT_GHOSTS_MAX} (chunk keys the ghost list "
+                             "remembers)")
+        return n
     return _number(value, key)  # low_watermark: validate() checks its range
 
 
@@ -228,6 +250,12 @@ def apply_settings(config: StoreConfig, changes: Mapping[str, Any], *, whole: bo
                 t = cfg.tiers[tier] = TierConfig(capacity=0)
             if field == "capacity":
                 t.capacity = parse_capacity(value, name)
+            elif field == "write_budget":
+                if tier != "nvme":
+                    raise StoreError(f"{name}: only the nvme tier takes a write budget (a dram tier does not wear)")
+                budget = _text(value, name) or None
+                parse_write_budget(budget, t.capacity or 1 << 30)  # the syntax, whatever the capacity
+                t.write_budget = budget
             elif field == "path":
                 if not isinstance(value, str) or (value and not os.path.isabs(value)):
                     raise StoreError(f"{name} {shown(value)} must be an absolute folder path (the daemon's "

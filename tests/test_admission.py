@@ -213,3 +213,78 @@ def test_a_store_of_an_older_lmctl_gets_the_admission_table_at_its_first_writabl
     doc["tiers"]["nvme"]["from_a_later_lmctl"] = 1  # a field this version does not know is ignored
     cfg = StoreConfig.from_json(json.dumps(doc))
     assert (cfg.admit, cfg.tiers["nvme"].write_budget) == ("all", None)
+
+
+# -- through the daemon and the CLI ----------------------------------------------------------------
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_the_cli_sets_admission_and_the_budget_and_refuses_bad_values_in_one_line(tmp_path: Path) -> None:
+    """``config set`` and ``serve --set`` take ``admit``, ``admit_ghosts`` and
+    ``tiers.nvme.write_budget``; a bad value is one line on stderr and exit 2, nothing applied.
+    Then ``status`` (JSON and human) and the metrics report the writes against the budget,
+    with the warning, and what admission kept off NVMe."""
+    from redis_server import free_port
+    from test_daemon import Daemon, cj, cli, fill
+
+    bad = {"admit=sometimes": "admit 'sometimes' is not a mode: give all or second-hit",
+           "admit_ghosts=0": "admit_ghosts must be between 1 and",
+           "tiers.nvme.write_budget=lots": "write budget 'lots' is not a budget: write it as drive writes per day",
+           "tiers.nvme.write_budget=500GiB": "write budget '500GiB' is not a budget",
+           "tiers.dram.write_budget=1DWPD": "only the nvme tier takes a write budget"}
+    r = cli(None, "serve", "--store", str(tmp_path / "never"), "--set", "admit=sometimes")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "admit 'sometimes' is not a mode" in r.stderr, r.stderr
+    assert not (tmp_path / "never").exists()
+    fill(tmp_path / "store")
+    port = free_port()
+    d = Daemon(tmp_path / "store", extra=["--metrics", f"127.0.0.1:{port}"])
+    d.start()
+    try:
+        before = cj(d, "config", "show")["settings"]
+        assert (before["admit"], before["admit_ghosts"], before["tiers"]["nvme"]["write_budget"]) == (
+            "all", 262144, None)
+        for pair, message in bad.items():
+            r = cli(d, "config", "set", pair)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, (pair, r.stderr)
+            assert "Traceback" not in r.stderr and r.stdout == ""
+        assert cj(d, "config", "show")["settings"] == before
+        cj(d, "config", "set", "admit=second-hit", "tiers.nvme.write_budget=1MiB/day")
+        # fill() wrote about 80 KiB to the nvme tier a moment ago: 24 x that a day is over 1 MiB
+        st = cj(d, "status")["store"]
+        w = st["writes"]["nvme"]
+        assert w["budget"] == "1MiB/day" and w["budget_bytes_per_day"] == MiB and w["over_budget"] is True
+        assert w["written_bytes"] == w["written_24h_bytes"] >= 6 * 8192 and w["per_day_bytes"] > MiB
+        assert st["admission"]["admit"] == "second-hit" and st["admission"]["not_admitted"] == {"put": 0, "spill": 0}
+        [warning] = st["warnings"]
+        assert warning.startswith("tier nvme is on course to write") and "over its write budget of 1.0 MiB/day" \
+            in warning
+        # an engine's save of a new prefix (another process on the store): kept off NVMe, counted
+        with Store(tmp_path / "store") as s:
+            assert s.save_many([PutItem(key(999), bytes(8192), SMALL_LAYOUT, 16)]) == ["not-admitted"]
+        r = cli(d, "status")
+        assert r.returncode == 0, r.stderr
+        assert "admission: second-hit (ghost list 1 of 262144 keys); kept off nvme: 1 saves (8.0 KiB)" in r.stdout
+        assert "; budget 1.0 MiB/day (1MiB/day), OVER" in r.stdout and "warning: tier nvme is on course" in r.stdout
+        got = scrape(port)
+        assert got[("lmctl_tier_written_bytes_total", (("tier", "nvme"),))] == w["written_bytes"]
+        assert got[("lmctl_tier_write_budget_bytes_per_day", (("tier", "nvme"),))] == MiB
+        assert got[("lmctl_tier_write_budget_exceeded", (("tier", "nvme"),))] == 1
+        assert got[("lmctl_tier_write_rate_bytes_per_day", (("tier", "nvme"),))] > MiB
+        assert got[("lmctl_not_admitted_total", (("path", "put"),))] == 1
+        assert got[("lmctl_not_admitted_bytes_total", (("path", "put"),))] == 8192
+        assert got[("lmctl_admission_ghosts", ())] == 1
+        # within the budget: no warning, the gauge at 0
+        cj(d, "config", "set", "tiers.nvme.write_budget=1DWPD")
+        st = cj(d, "status")["store"]
+        assert st["warnings"] == [] and st["writes"]["nvme"]["budget_bytes_per_day"] == 256 * MiB
+        assert scrape(port)[("lmctl_tier_write_budget_exceeded", (("tier", "nvme"),))] == 0
+    finally:
+        assert d.stop() == 0

@@ -295,13 +295,14 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_exporter_has() -> None:
     """docs/grafana-dashboard.json must not drift from lmctl/metrics.py."""
     import re
 
-    from lmctl.metrics import CELLS, EVENT_COUNTERS, GAUGES, STORE_COUNTERS
+    from lmctl.metrics import CELLS, ENDURANCE, EVENT_COUNTERS, GAUGES, STORE_COUNTERS
 
     known = {"lmctl_" + c for c in CELLS} | {m for m, _ in STORE_COUNTERS.values()} | {
         m for m, _ in EVENT_COUNTERS.values()} | {"lmctl_" + g for g in GAUGES} | {
         "lmctl_tier_chunks", "lmctl_tier_bytes", "lmctl_tier_capacity_bytes", "lmctl_tier_pinned_bytes",
         "lmctl_tier_disk_bytes", "lmctl_write_amplification", "lmctl_daemon_jobs", "lmctl_daemon_requests_total",
-        "lmctl_daemon_request_errors_total", "lmctl_daemon_maintenance_failures_total", "lmctl_remote_breaker_state"}
+        "lmctl_daemon_request_errors_total", "lmctl_daemon_maintenance_failures_total", "lmctl_remote_breaker_state",
+        *ENDURANCE}
     exporter = (ROOT / "lmctl" / "metrics.py").read_text()
     assert all(f'"{m}"' in exporter or m[len("lmctl_"):] in CELLS or m[len("lmctl_"):] in GAUGES for m in known)
     dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())

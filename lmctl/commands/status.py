@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ..endurance import endurance_lines
 from ..terminal import ExitStatus, Terminal, printable
 from .base import request, tiers_table, write_amplification
 
@@ -124,6 +125,8 @@ def _show_status(term: Terminal, r: dict[str, Any]) -> None:
                  "(this daemon's calls)")
     if r["store"].get("remote_refused"):
         term.say(f"remote tier not started: {r['store']['remote_refused']}")
+    for line in endurance_lines(r["store"]):
+        term.say(line)
     term.say(_maintenance_line(d.get("maintenance") or {}))
     for note in r["store"].get("notes") or []:
         term.say(f"note: {note}")

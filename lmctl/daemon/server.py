@@ -18,6 +18,7 @@ from typing import Any
 from store import StoreError
 
 from .. import __version__, protocol
+from ..endurance import endurance
 from ..errors import Cancelled, Denied, UsageError
 from ..health import HIGH_WATERMARK, Maintenance, describe_pass, error_line, utc
 from ..health import reasons as health_reasons
@@ -468,7 +469,8 @@ class Daemon:
                       "counters": stats.counters,
                       "write_amplification": round(stats.write_amplification, 6),
                       "codec": st.store.config.codec, "remote": stats.remote,
-                      "remote_refused": stats.remote_refused, "notes": st.store.notes()},
+                      "remote_refused": stats.remote_refused, "notes": st.store.notes(),
+                      **endurance(st.store)},
             "jobs": jobs,
             "failed_jobs": failed,
         }
