@@ -78,6 +78,39 @@ def zipf_trace(seed: int, requests: int = 3000, docs: int = 600, zipf_s: float =
     return out
 
 
+def chat_trace(seed: int, requests: int = 3000, sessions: int = 400, first: tuple[int, int] = (1, 4),
+               turn: tuple[int, int] = (1, 2), one_off: float = 0.3) -> list[list[bytes]]:
+    """A seeded multi-turn chat: each request is the next turn of one of ``sessions``
+    conversations (chosen at random, so turns of others come between), its prompt the last
+    turn's plus ``turn`` (low, high) more chunks (the first turn ``first`` chunks); a share
+    ``one_off`` of the requests are one-off prompts. Here every prefix but a session's last is
+    read again, once or more: the case against ``second-hit``."""
+    rng = random.Random(seed)
+    chats: list[list[bytes]] = [[] for _ in range(sessions)]
+    out = []
+    for r in range(requests):
+        if rng.random() < one_off:
+            k, ks = b"once-%d-%d" % (seed, r), []
+            for c in range(rng.randint(*first)):
+                k = chain(k, b"%d" % c)
+                ks.append(k)
+            out.append(ks)
+            continue
+        s = rng.randrange(sessions)
+        ks = chats[s]
+        k = ks[-1] if ks else b"chat-%d-%d" % (seed, s)
+        for c in range(rng.randint(*(turn if ks else first))):
+            k = chain(k, b"%d" % (len(ks) + c))
+            ks.append(k)
+        if len(ks) > 24:  # a conversation this long ends; a new one takes its place
+            chats[s] = []
+        out.append(list(ks))
+    return out
+
+
+TRACES = {"zipf": zipf_trace, "chat": chat_trace}
+
+
 @dataclass
 class Replay:
     """What one replay did."""
@@ -142,6 +175,8 @@ def replay(trace: Sequence[Sequence[bytes]], cfg: StoreConfig, folder: Path, chu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trace", choices=sorted(TRACES), default="zipf",
+                    help="zipf: documents by popularity and one-off prompts; chat: multi-turn conversations")
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--docs", type=int, default=600)
     ap.add_argument("--one-off", type=float, default=0.5, help="the share of requests seen once")
@@ -156,7 +191,8 @@ def main() -> None:
     setups = [(setup, admit) for setup in ("nvme", "dram+nvme") for admit in ("all", "second-hit")]
     runs: dict[tuple[str, str], list[Replay]] = {k: [] for k in setups}
     for r in range(args.rounds):
-        trace = zipf_trace(1000 + r, args.requests, args.docs, one_off=args.one_off)
+        trace = (zipf_trace(1000 + r, args.requests, args.docs, one_off=args.one_off) if args.trace == "zipf" else
+                 chat_trace(1000 + r, args.requests))
         order = setups[r % len(setups):] + setups[: r % len(setups)]
         for setup, admit in order:
             with tempfile.TemporaryDirectory(dir=args.work, prefix="lmctl-admission-") as tmp:
@@ -167,8 +203,10 @@ def main() -> None:
                   f"({rep.hit_ratio:.3f})  nvme written {rep.nvme_written_bytes / MiB:8.1f} MiB  "
                   f"per hit {rep.nvme_bytes_per_hit / 1024:7.1f} KiB  not admitted {rep.not_admitted:6d}  "
                   f"{rep.wall_s:.1f} s", flush=True)
-    print(f"\n{args.rounds} rounds, {args.requests} requests each ({args.one_off:.0%} one-off, {args.docs} documents "
-          f"by Zipf), {args.chunk_kib} KiB chunks, nvme {args.nvme_mib} MiB, dram {args.dram_mib} MiB")
+    what = (f"{args.one_off:.0%} one-off, {args.docs} documents by Zipf" if args.trace == "zipf" else
+            "multi-turn chat, 30% one-off")
+    print(f"\n{args.rounds} rounds, {args.requests} requests each ({what}), {args.chunk_kib} KiB chunks, "
+          f"nvme {args.nvme_mib} MiB, dram {args.dram_mib} MiB")
     print(f"{'setup':9} {'admit':10} {'hit ratio':>18} {'NVMe KiB/hit':>22} {'NVMe MiB written':>24}")
     for setup, admit in setups:
         rs = runs[(setup, admit)]
