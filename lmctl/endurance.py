@@ -28,12 +28,12 @@ def endurance_lines(s: dict[str, Any]) -> list[str]:
     if adm and (adm.get("admit") != "all" or any((adm.get("not_admitted") or {}).values())):
         n, b = adm.get("not_admitted") or {}, adm.get("not_admitted_bytes") or {}
         out.append(f"admission: {adm['admit']} (ghost list {adm['ghosts']} of {adm['ghosts_max']} keys); kept off "
-                   f"nvme: {n.get('put', 0)} saves ({human(b.get('put', 0))}), {n.get('spill', 0)} dram spills "
-                   f"({human(b.get('spill', 0))})")
+                   f"nvme: {n.get('put', 0)} first saves ({human(b.get('put', 0))}), {n.get('spill', 0)} chunks "
+                   f"leaving dram ({human(b.get('spill', 0))})")
     for tier, w in sorted((s.get("writes") or {}).items()):
         span = w["window_s"]
-        line = (f"{tier} writes: {human(w['written_24h_bytes'])} in the last "
-                f"{f'{span / 3600:.1f} h' if span >= 3600 else f'{span / 60:.0f} min'}, "
+        seen = f"{span / 3600:.1f} h" if span >= 3600 else f"{span / 60:.0f} min" if span >= 60 else f"{span:.0f} s"
+        line = (f"{tier} writes: {human(w['written_24h_bytes'])} in the last {seen}, "
                 f"{human(w['per_day_bytes'])}/day projected, {human(w['written_bytes'])} in all")
         if w.get("budget_bytes_per_day") is not None:
             line += f"; budget {human(w['budget_bytes_per_day'])}/day ({w['budget']})"

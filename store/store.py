@@ -1257,11 +1257,16 @@ class Store:
         out = []
         for name, r in (self.write_rates() if rates is None else rates).items():
             if r.over_budget and r.budget_bytes_per_day:
-                hours = r.window_s / 3600
-                out.append(f"tier {name} is on course to write {human_size(r.per_day_bytes)}/day (the last "
-                           f"{hours:.1f} h), over its write budget of {human_size(r.budget_bytes_per_day)}/day "
-                           f"({r.budget}): set admit=second-hit, give it a dram tier in front, or raise "
-                           f"tiers.{name}.write_budget")
+                span = r.window_s
+                seen = f"{span / 3600:.1f} h" if span >= 3600 else f"{span / 60:.0f} min" if span >= 60 else \
+                    f"{span:.0f} s"
+                fixes = ([] if self.config.admit == "second-hit" else ["set admit=second-hit"]) + (
+                    [] if "dram" in self._tiers else ["give it a dram tier in front"]) + [
+                    f"raise tiers.{name}.write_budget"]
+                out.append(f"tier {name} is on course to write {human_size(r.per_day_bytes)}/day (projected from "
+                           f"the last {seen}{', counted as an hour' if span < 3600 else ''}), over its write budget "
+                           f"of {human_size(r.budget_bytes_per_day)}/day ({r.budget}): "
+                           f"{', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}")
         return out
 
     def notes(self) -> list[str]:

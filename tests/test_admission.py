@@ -163,7 +163,8 @@ def test_the_rate_per_day_and_the_warning_when_on_course_to_exceed_the_budget(tm
         assert 90 * MiB < r.per_day_bytes < 100 * MiB and r.over_budget
         [line] = s.warnings()
         assert line.startswith("tier nvme is on course to write 9") and "over its write budget of 16.0 MiB/day" \
-            in line and "admit=second-hit" in line
+            in line and "(projected from the last 0 s, counted as an hour)" in line
+        assert line.endswith(": set admit=second-hit, give it a dram tier in front or raise tiers.nvme.write_budget")
         clock.advance(12 * 3600)  # the same 4 MiB over 12 h: 8 MiB a day, within the budget
         r = s.write_rates()["nvme"]
         assert 7.5 * MiB < r.per_day_bytes < 8.5 * MiB and not r.over_budget and s.warnings() == []
@@ -265,13 +266,16 @@ def test_the_cli_sets_admission_and_the_budget_and_refuses_bad_values_in_one_lin
         assert st["admission"]["admit"] == "second-hit" and st["admission"]["not_admitted"] == {"put": 0, "spill": 0}
         [warning] = st["warnings"]
         assert warning.startswith("tier nvme is on course to write") and "over its write budget of 1.0 MiB/day" \
-            in warning
+            in warning and ", counted as an hour)" in warning
+        # admit=second-hit already: the advice is the other two
+        assert warning.endswith(": give it a dram tier in front or raise tiers.nvme.write_budget"), warning
         # an engine's save of a new prefix (another process on the store): kept off NVMe, counted
         with Store(tmp_path / "store") as s:
             assert s.save_many([PutItem(key(999), bytes(8192), SMALL_LAYOUT, 16)]) == ["not-admitted"]
         r = cli(d, "status")
         assert r.returncode == 0, r.stderr
-        assert "admission: second-hit (ghost list 1 of 262144 keys); kept off nvme: 1 saves (8.0 KiB)" in r.stdout
+        assert "admission: second-hit (ghost list 1 of 262144 keys); kept off nvme: 1 first saves (8.0 KiB), 0 " \
+            "chunks leaving dram (0 B)" in r.stdout
         assert "; budget 1.0 MiB/day (1MiB/day), OVER" in r.stdout and "warning: tier nvme is on course" in r.stdout
         got = scrape(port)
         assert got[("lmctl_tier_written_bytes_total", (("tier", "nvme"),))] == w["written_bytes"]
