@@ -271,13 +271,13 @@ class LMCtlConnector(KVConnectorBase_V1):
         return 0 if self.connector_worker is None else self.connector_worker.loaded_chunks
 
     @property
-    def load_failures(self) -> int:
-        return 0 if self.connector_worker is None else self.connector_worker.load_failures
+    def failed_loads(self) -> int:
+        return 0 if self.connector_worker is None else self.connector_worker.failed_loads
 
     def stats(self) -> dict[str, Any]:
         """Counters of both sides; a side this connector does not have counts 0."""
         out: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "skipped_tokens": 0, "loaded_chunks": 0,
-                               "load_failures": 0, "load_s": 0.0}
+                               "failed_loads": 0, "load_s": 0.0}
         if self.connector_scheduler is not None:
             out.update(self.connector_scheduler.stats())
         if self.connector_worker is not None:

@@ -76,7 +76,7 @@ class LMCtlConnectorWorker:
         self._load_errors: set[int] = set()
         self._load_report: dict[str, list[float]] = {}  # tier -> [bytes, seconds] since the last report
         self.loaded_chunks = 0
-        self.load_failures = 0
+        self.failed_loads = 0
         self.load_s = 0.0
         self.recorder = StatsRecorder()  # figures for vLLM's metrics, since the last step's report
 
@@ -219,7 +219,7 @@ class LMCtlConnectorWorker:
             self.recorder.record({"failed_loads": 1, "failed_load_chunks": len(op.keys) - done}, {"reason": why},
                                  observe={"load_seconds": time.perf_counter() - received})
             with self._lock:
-                self.load_failures += 1
+                self.failed_loads += 1
             for row in op.blocks[done:]:
                 failed.update(b for b in row if b is not None)
             log.warning("lmctl: request %s: chunk %d of %d could not be loaded; vLLM recomputes from there",
@@ -325,7 +325,7 @@ class LMCtlConnectorWorker:
 
     # -- life cycle -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"loaded_chunks": self.loaded_chunks, "load_failures": self.load_failures,
+        out: dict[str, Any] = {"loaded_chunks": self.loaded_chunks, "failed_loads": self.failed_loads,
                                "load_s": round(self.load_s, 4)}
         if self._writer is not None:
             out["writer"] = dict(self._writer.stats.__dict__)

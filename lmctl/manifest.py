@@ -41,7 +41,7 @@ _KEY_HEX = re.compile(r"[0-9a-fA-F]{96}")
 
 # -- the format -----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Entry:
+class ManifestEntry:
     """One validated entry of a manifest (``index``: its place in ``documents``)."""
 
     index: int
@@ -133,7 +133,7 @@ def _check_entry(f: Any) -> None:
 
 
 def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_label: bool = False,
-                   salt_given: bool = True) -> list[Entry]:
+                   salt_given: bool = True) -> list[ManifestEntry]:
     """The entries of the manifest ``text`` (read from ``name``); a usage error names the
     first problem, its entry and field. ``cache_salt`` is ``--cache-salt``: it must be
     given exactly when an entry needs one it does not hold (a salt from the environment,
@@ -171,7 +171,7 @@ def parse_manifest(text: str, name: str, cache_salt: str | None = None, need_lab
         if f.get("needs_cache_salt") and "cache_salt" not in f and cache_salt is None:
             raise bad(f"documents[{i}].needs_cache_salt", "this document was pinned with a cache salt, which a "
                       "manifest never holds: pass --cache-salt SALT")
-        entries.append(Entry(i, dict(f)))
+        entries.append(ManifestEntry(i, dict(f)))
     if cache_salt is not None and salt_given and not any(
             e.fields.get("needs_cache_salt") and "cache_salt" not in e.fields for e in entries):
         raise CommandError("usage", f"--cache-salt applies to the entries of manifest {name} marked "
@@ -328,7 +328,7 @@ def warm_manifest(term: Terminal, path: str, sel: dict[str, Any], to: str | None
     return out["failed"] == 0 and not cold
 
 
-def _in_tier_now(term: Terminal, e: Entry, cache_salt: str | None, tier: str, before: int) -> int:
+def _in_tier_now(term: Terminal, e: ManifestEntry, cache_salt: str | None, tier: str, before: int) -> int:
     """How many of an entry's chunks are in ``tier`` now: those a dry-run warm would find
     there already (``before``, what its warm reported, if that cannot be asked)."""
     try:
@@ -337,7 +337,7 @@ def _in_tier_now(term: Terminal, e: Entry, cache_salt: str | None, tier: str, be
         return before
 
 
-def _warm_entry(term: Terminal, e: Entry, cache_salt: str | None, tier: str, endpoint: str | None, pin: bool,
+def _warm_entry(term: Terminal, e: ManifestEntry, cache_salt: str | None, tier: str, endpoint: str | None, pin: bool,
                 dry_run: bool, progress: Callable[[int, int, str], None]) -> dict[str, Any]:
     """Warm one entry: its report row (``error`` set when it failed)."""
     f = e.fields

@@ -92,7 +92,7 @@ def test_worker_saves_chunks_and_loads_them_into_other_blocks(worker: LMCtlConne
     finish(worker, "r2")
     assert same_blocks(caches, [4, 5, 6], [0, 1, 2])
     assert all(torch.equal(caches[n][7], untouched[n]) for n in LAYERS)
-    assert worker.loaded_chunks == 2 and worker.load_failures == 0 and worker.take_load_errors() == set()
+    assert worker.loaded_chunks == 2 and worker.failed_loads == 0 and worker.take_load_errors() == set()
 
 
 def test_the_next_chunk_is_read_while_one_is_copied_and_every_buffer_goes_back(
@@ -165,7 +165,7 @@ def test_a_requests_chunks_are_read_together_and_a_miss_among_them_ends_the_load
     finish(worker, "r3")
     assert calls == [2, 2] and worker.take_load_errors() == {10, 11}
     assert same_blocks(caches, [8, 9], [0, 1])
-    assert worker.loaded_chunks == 3 and worker.load_failures == 1
+    assert worker.loaded_chunks == 3 and worker.failed_loads == 1
 
 
 @pytest.mark.parametrize("fault", ["store read", "copy into the engine's blocks"])
@@ -205,7 +205,7 @@ def test_a_failed_load_is_logged_with_its_traceback_and_reported_not_raised(
     # chunk 1 was loaded; chunk 2's blocks go back to vLLM, which recomputes them
     assert worker.take_load_errors() == {6, 7}
     assert worker.take_load_errors() == set()  # reported once
-    assert worker.loaded_chunks == 1 and worker.load_failures == 1
+    assert worker.loaded_chunks == 1 and worker.failed_loads == 1
     assert same_blocks(caches, [4, 5], [0, 1])
     # the staging buffer went back: the next load works
     monkeypatch.undo()
@@ -384,7 +384,7 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
 
         s, w = sched.stats(), work.stats()
         assert (s["lookups"], s["hit_tokens"], s["loaded_chunks"], "writer" in s) == (2, 64, 0, False)
-        assert (w["lookups"], w["loaded_chunks"], w["load_failures"], w["writer"]["saved"]) == (0, 2, 0, 2)
+        assert (w["lookups"], w["loaded_chunks"], w["failed_loads"], w["writer"]["saved"]) == (0, 2, 0, 2)
         assert sched.request_finished(request("r2"), []) == (False, None)
     finally:
         store = sched.store

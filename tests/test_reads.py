@@ -223,7 +223,7 @@ def test_a_short_chunk_never_leaves_the_previous_chunks_kv_in_the_engine(
     assert worker.take_load_errors() == {6, 7}
     assert all(torch.equal(t[[4, 5]], t[[0, 1]]) for t in caches.values())
     assert all(torch.equal(caches[n][[6, 7]], before[n]) for n in LAYERS)  # nothing half-written
-    assert worker.loaded_chunks == 1 and worker.load_failures == 1
+    assert worker.loaded_chunks == 1 and worker.failed_loads == 1
     assert not worker.store.contains(second)
     assert worker.store.event_counters()["corrupt_total"] == {"bad-length": 1}
 

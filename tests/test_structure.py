@@ -382,3 +382,28 @@ def test_no_module_is_over_700_lines_but_the_known_debt() -> None:
     over = long_files(ROOT, ("store", "lmctl", "engine_hook"))
     assert {path: n for path, n in over.items() if path not in OVER_LIMIT_DEBT} == {}
     assert all(path.startswith("store/") for path in OVER_LIMIT_DEBT)  # lmctl/ and engine_hook/ have none
+
+
+def _class_names(roots: list[Path]) -> dict[str, list[str]]:
+    """Every top-level class of the packages under ``roots``: name -> the modules that define it."""
+    seen: dict[str, list[str]] = {}
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            for node in ast.parse(p.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    seen.setdefault(node.name, []).append(str(p.relative_to(root.parent)))
+    return seen
+
+
+def test_the_class_name_check_finds_a_name_defined_twice(tmp_path: Path) -> None:
+    for pkg in ("a", "b"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "m.py").write_text("class Entry:\n    pass\n")
+    assert _class_names([tmp_path / "a", tmp_path / "b"])["Entry"] == ["a/m.py", "b/m.py"]
+
+
+def test_class_names_are_unique_across_the_packages() -> None:
+    root = Path(__file__).resolve().parent.parent
+    twice = {k: v for k, v in _class_names([root / p for p in ("store", "lmctl", "engine_hook")]).items()
+             if len(v) > 1}
+    assert twice == {}, f"one name, one class: {twice}"

@@ -191,10 +191,10 @@ def test_tampered_chunk_is_rejected_and_recomputed(engine: Engine, reference: di
     assert store.locate(keys) == ["nvme", "nvme"]
     flip_byte(store, keys[1])
     corrupt = store.stats().counters.get("corrupt", 0)
-    failures = engine.connector().load_failures
+    failures = engine.connector().failed_loads
     out, _cached = engine.run(Q, None)
     assert out == reference[("Q", None)]
-    assert engine.connector().load_failures == failures + 1
+    assert engine.connector().failed_loads == failures + 1
     assert store.stats().counters["corrupt"] == corrupt + 1
     # the bad chunk was dropped; the recomputed request stored nothing wrong
     assert store.check(deep=True) == []

@@ -16,8 +16,8 @@ running request), ``server`` (the accept loop, clients, dispatch, maintenance).
 
 from .access import AlreadyServing, SocketUnreachable, bind_socket, changes_the_store, check_socket_path, socket_access
 from .folders import NoStore
-from .jobs import DaemonState, Job
+from .jobs import DaemonState, RunningJob
 from .server import MAX_CLIENTS, Daemon, sd_notify
 
-__all__ = ["MAX_CLIENTS", "AlreadyServing", "Daemon", "DaemonState", "Job", "NoStore", "SocketUnreachable",
+__all__ = ["MAX_CLIENTS", "AlreadyServing", "Daemon", "DaemonState", "NoStore", "RunningJob", "SocketUnreachable",
            "bind_socket", "changes_the_store", "check_socket_path", "sd_notify", "socket_access"]

@@ -1,4 +1,4 @@
-"""A running request (``Job``: progress frames, cancellation when its client goes or the daemon
+"""A running request (``RunningJob``: progress frames, cancellation when its client goes or the daemon
 stops) and the state every client thread of the daemon shares."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _FAULT_STEP_DELAY = float(os.environ.get("LMCTL_FAULT_JOB_STEP_DELAY", "0") or 0
 @dataclass
 
 
-class Job(OpJob):
+class RunningJob(OpJob):
     """One running request. ``progress`` streams progress frames and is where a job learns
     that it is cancelled: its client hung up (Ctrl-C) or the daemon is stopping."""
 
@@ -96,7 +96,7 @@ class DaemonState:
     store: Store
     socket_path: str
     started: float = field(default_factory=time.time)
-    jobs: dict[int, Job] = field(default_factory=dict)
+    jobs: dict[int, RunningJob] = field(default_factory=dict)
     requests: int = 0
     errors: int = 0
     maintenance: Maintenance = field(default_factory=lambda: Maintenance(30.0))

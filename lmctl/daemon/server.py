@@ -27,7 +27,7 @@ from ..selection import set_caller
 from ..settings import maintenance_interval
 from .access import SocketUnreachable, bind_socket, changes_the_store, check_socket_path, refuse, socket_access_problem
 from .folders import Folders
-from .jobs import DaemonState, Job
+from .jobs import DaemonState, RunningJob
 
 log = logging.getLogger("lmctl.daemon")
 
@@ -94,7 +94,7 @@ class Daemon:
         self._release = threading.Event()
         self._ids = itertools.count(1)
         self.folders = Folders(self.store_dir, self.socket_path, init, dict(settings or {}))
-        self._conns: dict[socket.socket, Job | None] = {}
+        self._conns: dict[socket.socket, RunningJob | None] = {}
         self._conns_lock = threading.Lock()
         self._denied: dict[int, tuple[float, int]] = {}  # uid: (last logged, refused since)
 
@@ -387,7 +387,7 @@ class Daemon:
         op = OPS.get(cmd)
         if op is None:
             return fail("usage", f"unknown command {cmd!r}; known: {', '.join(sorted([*OPS, 'metrics', 'status']))}")
-        job = Job(next(self._ids), cmd, time.time(), conn, rid, self._stop)
+        job = RunningJob(next(self._ids), cmd, time.time(), conn, rid, self._stop)
         with st.lock:
             st.jobs[job.id] = job
         with self._conns_lock:
@@ -420,7 +420,7 @@ class Daemon:
                     self._conns[conn] = None
         self._reply(conn, rid, result)
 
-    def _job_failed(self, job: Job, message: str) -> None:
+    def _job_failed(self, job: RunningJob, message: str) -> None:
         with self.state.lock:
             self.state.failed_jobs.add(job.id, job.cmd, time.time(), message)
 
