@@ -7,13 +7,13 @@
                    fp32) compress much better this way: on real bf16 KV the ratio goes
                    from about 1.27 to about 1.45 at level 1.
 
-A compressed payload is written in pieces (``PIECE_RAW`` bytes of the chunk each), so
-that its pieces are encoded and decoded on several cores at once (zstd releases the
+A compressed payload is written as independent zstd frames (``FRAME_RAW`` bytes of the chunk each), so
+that its frames are encoded and decoded on several cores at once (zstd releases the
 GIL) and each is decoded straight into the caller's buffer::
 
-    b"LMZP"  u32 piece_raw  u32 count  count x u32 compressed length  frames...
+    b"LMZP"  u32 frame_raw  u32 count  count x u32 compressed length  frames...
 
-Payloads written before pieces (one zstd frame over the whole chunk, shuffled whole)
+Payloads written before frames (one zstd frame over the whole chunk, shuffled whole)
 are told apart by zstd's own magic number and decoded as they were written.
 """
 
@@ -36,11 +36,11 @@ if TYPE_CHECKING:
 CODEC_IDS = {"raw": 0, "zstd": 1, "zstd-shuffle": 2}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 
-PIECES_MAGIC = b"LMZP"
+FRAMES_MAGIC = b"LMZP"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-#: raw bytes per compressed piece: large enough to compress as well as a whole chunk,
+#: raw bytes per compressed frame: large enough to compress as well as a whole chunk,
 #: small enough that a 5.6 MiB chunk spreads over both cores of a small machine
-PIECE_RAW = 1 << 20
+FRAME_RAW = 1 << 20
 _HEAD = struct.Struct("<4sII")
 T = TypeVar("T")
 
@@ -55,12 +55,12 @@ def codec_id(name: str) -> int:
 def max_encoded(codec: int, raw_len: int) -> int:
     """The most bytes ``raw_len`` raw bytes can take encoded in ``codec``: exactly ``raw_len``
     for raw; for zstd, its worst case (incompressible input grows by 1/256) with room for
-    each piece's frame header and the piece table. A record that claims more is forged or
+    each frame's header and the frame table. A record that claims more is forged or
     damaged, and is refused before a buffer is sized by it."""
     if codec == 0:
         return raw_len
-    pieces = max(1, -(-raw_len // PIECE_RAW))
-    return raw_len + raw_len // 128 + pieces * 64 + 4096
+    frames = max(1, -(-raw_len // FRAME_RAW))
+    return raw_len + raw_len // 128 + frames * 64 + 4096
 
 
 def shuffle(data: Buffer, itemsize: int) -> bytes:
@@ -141,29 +141,29 @@ class Codec:
 
         buf = getattr(self._local, "s", None)
         if buf is None or len(buf) < n:
-            buf = self._local.s = np.empty(max(n, PIECE_RAW), dtype=np.uint8)
+            buf = self._local.s = np.empty(max(n, FRAME_RAW), dtype=np.uint8)
         return buf[:n]
 
     # -- encoding --------------------------------------------------------------------------
     def encode(self, codec: int, data: Buffer, itemsize: int, level: int | None = None) -> Buffer:
         """``data`` in codec ``codec`` (``data`` itself for raw), at ``level`` (default: the
-        store's); pieces are compressed on all cores."""
+        store's); frames are compressed on all cores."""
         lvl = self.level if level is None else level
         if codec == 0:
             return data
         if codec not in (1, 2):
             raise StoreError(f"unknown codec id {codec}")
         src = memoryview(data).cast("B")
-        step = PIECE_RAW - PIECE_RAW % max(1, itemsize)
+        step = FRAME_RAW - FRAME_RAW % max(1, itemsize)
         spans = [(a, min(a + step, len(src))) for a in range(0, len(src), step)] or [(0, 0)]
 
         def one(i: int) -> bytes:
             a, b = spans[i]
-            piece = src[a:b] if codec == 1 else shuffle(src[a:b], itemsize)
-            return self._zc(lvl).compress(piece)  # type: ignore[no-any-return]
+            part = src[a:b] if codec == 1 else shuffle(src[a:b], itemsize)
+            return self._zc(lvl).compress(part)  # type: ignore[no-any-return]
 
         frames = _map(one, len(spans))
-        head = _HEAD.pack(PIECES_MAGIC, step, len(frames)) + struct.pack(f"<{len(frames)}I", *map(len, frames))
+        head = _HEAD.pack(FRAMES_MAGIC, step, len(frames)) + struct.pack(f"<{len(frames)}I", *map(len, frames))
         return b"".join([head, *frames])
 
     # -- decoding --------------------------------------------------------------------------
@@ -181,10 +181,10 @@ class Codec:
             return
         if codec not in (1, 2):
             raise StoreError(f"unknown codec id {codec}")
-        if bytes(src[:4]) == PIECES_MAGIC:
-            self._decode_pieces(codec, src, out, raw_len, itemsize)
+        if bytes(src[:4]) == FRAMES_MAGIC:
+            self._decode_frames(codec, src, out, raw_len, itemsize)
             return
-        try:  # one frame over the whole chunk, as written before pieces
+        try:  # one frame over the whole chunk, as written before frames
             plain = self._zd().decompress(src, max_output_size=raw_len)
         except Exception as exc:  # zstandard.ZstdError
             raise StoreError(f"corrupt compressed payload: {exc}") from None
@@ -195,19 +195,19 @@ class Codec:
         else:
             unshuffle(plain, itemsize, out[:raw_len])
 
-    def _decode_pieces(self, codec: int, src: memoryview, out: memoryview, raw_len: int, itemsize: int) -> None:
+    def _decode_frames(self, codec: int, src: memoryview, out: memoryview, raw_len: int, itemsize: int) -> None:
         try:
             _magic, step, count = _HEAD.unpack_from(src, 0)
             lens = struct.unpack_from(f"<{count}I", src, _HEAD.size)
         except struct.error:
-            raise StoreError("corrupt compressed payload: its piece table is cut short") from None
+            raise StoreError("corrupt compressed payload: its frame table is cut short") from None
         if step <= 0 or count != max(1, -(-raw_len // step)):
-            raise StoreError(f"corrupt compressed payload: {count} pieces of {step} bytes for {raw_len}")
+            raise StoreError(f"corrupt compressed payload: {count} frames of {step} bytes for {raw_len}")
         starts = [_HEAD.size + 4 * count]
         for n in lens:
             starts.append(starts[-1] + n)
         if starts[-1] != len(src):
-            raise StoreError("corrupt compressed payload: its pieces do not add up to its length")
+            raise StoreError("corrupt compressed payload: its frames do not add up to its length")
 
         def one(i: int) -> None:
             a, b = i * step, min((i + 1) * step, raw_len)
@@ -215,7 +215,7 @@ class Codec:
             target = out[a:b] if codec == 1 else self._scratch(b - a).data.cast("B")
             got = self._read_frame(frame, target)
             if got != b - a:
-                raise StoreError(f"corrupt compressed payload: piece {i} decoded to {got} bytes, not {b - a}")
+                raise StoreError(f"corrupt compressed payload: frame {i} decoded to {got} bytes, not {b - a}")
             if codec == 2:
                 unshuffle(target, itemsize, out[a:b])
 
@@ -240,9 +240,9 @@ class Codec:
 
 
 def encoded_parts(payload: Buffer) -> Iterable[int]:
-    """The compressed lengths of a pieced payload's frames (for tests and inspection)."""
+    """The compressed lengths of a framed payload's frames (for tests and inspection)."""
     src = memoryview(payload).cast("B")
-    if bytes(src[:4]) != PIECES_MAGIC:
+    if bytes(src[:4]) != FRAMES_MAGIC:
         return []
     _magic, _step, count = _HEAD.unpack_from(src, 0)
     return list(struct.unpack_from(f"<{count}I", src, _HEAD.size))

@@ -24,10 +24,10 @@ multiple of 4 KiB, then one 4 KiB trailer that describes it (integers little-end
 
 Every record is self-describing, so the index can be rebuilt from segments alone.
 The trailer comes last because it carries the payload's checksum, computed while the
-payload streams out; it goes to disk in the same write as the payload's last piece,
+payload streams out; it goes to disk in the same write as the payload's last span,
 so a record is one sequential append. Payloads are page-aligned, so page-aligned
 buffers go to and from the disk with O_DIRECT and no copy; others pass through
-reused aligned staging buffers. Large transfers are split into pieces, several in
+reused aligned staging buffers. Large transfers are split into spans, several in
 flight at once on the tier's I/O threads, so hashing and copying overlap the disk.
 """
 
@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmctl.store")
 
 ALIGN = 4096
-PIECE = 8 << 20  # writes: pipelining granularity for large transfers
-READ_PIECE = 2 << 20  # reads: small enough that hashing piece k overlaps reading the next ones
+WRITE_SPAN = 8 << 20  # writes: pipelining granularity for large transfers
+READ_SPAN = 2 << 20  # reads: small enough that hashing span k overlaps reading the next ones
 #: I/O requests in flight per transfer (measured: benchmarks/store_io.py --depths)
 IO_DEPTH = 4
 REC_MAGIC = b"LMCTLREC"
@@ -253,7 +253,7 @@ class SegmentIO:
             make_private_dir(directory, what)  # 0700 whatever the umask; refused unless private
             self.direct = supports_direct_io(directory) if direct is None else direct
         self.pool = AlignedPool()
-        #: pieces of one transfer in flight at once (and I/O threads of this tier)
+        #: spans of one transfer in flight at once (and I/O threads of this tier)
         self.depth = IO_DEPTH
         self._io = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="lmctl-io")
         self._fds: OrderedDict[int, int] = OrderedDict()
@@ -308,9 +308,9 @@ class SegmentIO:
         """Start appending a record at ``offset``: the payload, then its trailer.
 
         ``make_trailer(checksum)`` builds the trailer once the payload's checksum is
-        known; it goes out in the same write as the payload's last piece. The payload
-        goes out in pieces, up to ``depth`` of them in flight on the I/O threads while
-        the caller hashes the next (and the pieces of other records of a batch may be in
+        known; it goes out in the same write as the payload's last span. The payload
+        goes out in spans, up to ``depth`` of them in flight on the I/O threads while
+        the caller hashes the next (and the spans of other records of a batch may be in
         flight too); ``result()`` waits for them. ``payload`` must stay unchanged until then.
         """
         pay = memoryview(payload).cast("B")
@@ -319,36 +319,36 @@ class SegmentIO:
         hasher = xxhash.xxh3_64()
         zero_copy = self.direct and is_aligned(pay)
         pw = PendingWrite(self.pool, body + TRAILER_BLOCK)
-        if body > PIECE:  # pieces in parallel: keep them together (one piece is one extent anyway)
+        if body > WRITE_SPAN:  # spans in parallel: keep them together (one span is one extent anyway)
             reserve(fd, offset, body + TRAILER_BLOCK)
         trailer = self.pool.take(TRAILER_BLOCK)
         pw.buffers.append(trailer)
         staging: list[mmap.mmap] = []
         inflight: list[Future[int] | None] = [None] * self.depth
         try:
-            spans = [(a, min(a + PIECE, body)) for a in range(0, body, PIECE)] or [(0, 0)]
+            spans = [(a, min(a + WRITE_SPAN, body)) for a in range(0, body, WRITE_SPAN)] or [(0, 0)]
             for i, (a, b) in enumerate(spans):
                 m = b - a
-                piece = pay[a:b]
-                hasher.update(piece)
+                span = pay[a:b]
+                hasher.update(span)
                 slot = -1
                 views: list[memoryview]
-                if (zero_copy or not self.direct) and len(piece) == m:
-                    views = [piece]  # whole piece straight from the source
+                if (zero_copy or not self.direct) and len(span) == m:
+                    views = [span]  # whole span straight from the source
                 elif not self.direct:
-                    views = [piece, memoryview(bytes(m - len(piece)))]
+                    views = [span, memoryview(bytes(m - len(span)))]
                 else:  # O_DIRECT from an unaligned source: through a ring of aligned buffers
                     slot = i % self.depth
-                    while len(staging) <= slot:  # the ring fills lazily: earlier pieces may have gone zero-copy
-                        staging.append(self.pool.take(min(PIECE, max(body, ALIGN))))
+                    while len(staging) <= slot:  # the ring fills lazily: earlier spans may have gone zero-copy
+                        staging.append(self.pool.take(min(WRITE_SPAN, max(body, ALIGN))))
                         pw.buffers.append(staging[-1])
                     prev = inflight[slot]
                     if prev is not None:
                         prev.result()
                     buf = staging[slot]
-                    buf[: len(piece)] = piece
-                    if len(piece) < m:
-                        buf[len(piece) : m] = bytes(m - len(piece))
+                    buf[: len(span)] = span
+                    if len(span) < m:
+                        buf[len(span) : m] = bytes(m - len(span))
                     views = [memoryview(buf)[:m]]
                 if i == len(spans) - 1:
                     pw.checksum = hasher.intdigest()
@@ -463,7 +463,7 @@ class SegmentIO:
 
         With ``dst=None`` the payload is only verified. A page-aligned ``dst`` is read
         into directly (O_DIRECT, no copy; the last block of an unaligned payload, with its
-        padding, through a staging buffer). The payload is read in pieces, up to ``depth``
+        padding, through a staging buffer). The payload is read in spans, up to ``depth``
         in flight while the caller hashes (and, through staging buffers, copies) the
         earliest one. A bad trailer, a short read or a checksum mismatch raises
         ``CorruptRecord``; a removed segment raises ``SegmentGone``.
@@ -476,14 +476,14 @@ class SegmentIO:
             raise CorruptRecord(str(exc)) from None
         body = align_up(stored_len)
         direct_dst = dst is not None and self.direct and is_aligned(dst)
-        spans = [(a, min(a + READ_PIECE, body)) for a in range(0, body, READ_PIECE)] or [(0, 0)]
+        spans = [(a, min(a + READ_SPAN, body)) for a in range(0, body, READ_SPAN)] or [(0, 0)]
         if direct_dst and body != stored_len and spans[-1][1] - spans[-1][0] > ALIGN:
             # the padding of an unaligned payload never lands in ``dst``: its last block is
             # read apart (a caller's buffer past the payload keeps what it held)
             a, b = spans.pop()
             spans += [(a, b - ALIGN), (b - ALIGN, b)]
         depth = min(self.depth, len(spans))
-        size = min(READ_PIECE, max(body, ALIGN))
+        size = min(READ_SPAN, max(body, ALIGN))
         trailer = self.pool.take(TRAILER_BLOCK)
         bufs: list[mmap.mmap] = []
         futs: list[Future[int]] = []
@@ -518,7 +518,7 @@ class SegmentIO:
                 if dst is not None and not in_place:
                     dst[a : a + len(valid)] = valid
                 if k + depth < len(spans):
-                    pending.append(fetch(k + depth))  # piece k's buffer (or place in dst) is free now
+                    pending.append(fetch(k + depth))  # span k's buffer (or place in dst) is free now
             found = decode_trailer(memoryview(trailer)[:TRAILER_BLOCK])
             if found is None:
                 raise CorruptRecord(f"bad record trailer in segment {seg_id} at {offset}")
@@ -709,12 +709,12 @@ _FALLOC_FL_KEEP_SIZE = 1
 
 def reserve(fd: int, offset: int, length: int) -> None:
     """Ask the file system for ``length`` bytes of blocks at ``offset`` before they are
-    written, keeping the file's size (``FALLOC_FL_KEEP_SIZE``): a record's pieces go out in
+    written, keeping the file's size (``FALLOC_FL_KEEP_SIZE``): a record's spans go out in
     parallel, and a file system that allocates blocks as writes arrive would otherwise lay
-    a record out in as many scattered extents as it has pieces (measured on ext4: 54 extents
+    a record out in as many scattered extents as it has spans (measured on ext4: 54 extents
     for 16 records of 32 MiB), each extent a request of its own when the record is read
-    back. Only for records of several pieces: writing into reserved (unwritten) blocks costs
-    the file system a conversion per write, which slowed durable puts of single-piece
+    back. Only for records of several spans: writing into reserved (unwritten) blocks costs
+    the file system a conversion per write, which slowed durable puts of single-span
     records measurably. A hint only: where it fails (not supported, no space) the write
     says what is wrong."""
     _LIBC.fallocate(fd, _FALLOC_FL_KEEP_SIZE, ctypes.c_long(offset), ctypes.c_long(length))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from store import GiB, MiB, PutItem, Store, StoreConfig, TierConfig
-from store.segment import ALIGN, PIECE
+from store.segment import ALIGN, WRITE_SPAN
 from stress.common import Tally, key, quiet_store_log
 
 #: Llama-8B: layers, KV heads, head dim; 256 tokens of bf16
@@ -142,7 +142,7 @@ def scenario_big_records(work: Path, n: int) -> Tally:
                 t.check(not found, f"trial {trial}: verify --deep found {[p.kind for p in found]}")
     out.close()
     unaligned = sum(1 for n_ in stored_sizes if n_ % ALIGN)
-    t.check(len(stored_sizes) == n * CHUNKS and all(PIECE < n_ < CHUNK for n_ in stored_sizes),
+    t.check(len(stored_sizes) == n * CHUNKS and all(WRITE_SPAN < n_ < CHUNK for n_ in stored_sizes),
             f"compressed sizes {stored_sizes[:4]}... are not between the 8 MiB write piece and 32 MiB")
     t.check(compacted == n * len(range(1, CHUNKS, 2)), f"only {compacted} compressed chunks were moved by compaction")
     t.check(spilled == n // 2 * len(range(1, CHUNKS, 2)), f"only {spilled} chunks spilled from dram to nvme")

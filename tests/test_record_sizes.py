@@ -32,15 +32,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from store import MiB, PutItem, Store, StoreConfig, TierConfig
-from store.codec import PIECE_RAW
+from store.codec import FRAME_RAW
 from store.config import GiB, RemoteConfig
 from store.remote import PIECE_BYTES as REMOTE_PIECE
-from store.segment import ALIGN, PIECE, READ_PIECE
+from store.segment import ALIGN, READ_SPAN, WRITE_SPAN
 
 #: the largest record drawn
 MAX = 64 * MiB
 #: the sizes whose neighbourhoods are drawn most: every internal piece size and then some
-BOUNDARIES = sorted({ALIGN, 2 * ALIGN, PIECE_RAW, READ_PIECE, 3 * MiB, REMOTE_PIECE, PIECE, 12 * MiB, 16 * MiB,
+BOUNDARIES = sorted({ALIGN, 2 * ALIGN, FRAME_RAW, READ_SPAN, 3 * MiB, REMOTE_PIECE, WRITE_SPAN, 12 * MiB, 16 * MiB,
                      32 * MiB, MAX})
 DELTAS = (-4097, -4096, -4095, -513, -17, -2, -1, 0, 1, 2, 17, 513, 4095, 4096, 4097)
 CODECS = ("raw", "zstd", "zstd-shuffle")
@@ -49,7 +49,7 @@ near_boundary = st.builds(lambda b, d: min(MAX, max(1, b + d)), st.sampled_from(
 #: boundaries twice as likely as small sizes, as sizes anywhere up to 64 MiB and as sizes past
 #: the 8 MiB write piece (integers() leans towards small numbers)
 sizes = st.one_of(near_boundary, near_boundary, st.integers(1, 64 * 1024), st.integers(1, MAX),
-                  st.integers(PIECE + 1, MAX))
+                  st.integers(WRITE_SPAN + 1, MAX))
 #: where a payload starts in its source buffer: page-aligned (O_DIRECT writes it without a
 #: copy) or not (it goes through the staging ring)
 offsets = st.sampled_from((0, 1, 2048 + 3))
@@ -148,7 +148,7 @@ def local_config(folder: Path, dram_capacity: int = 1 * GiB) -> StoreConfig:
        dtype=st.sampled_from(("bfloat16", "uint8", "float32")), offset=offsets)
 @example(size=1, codec="raw", kind="kv", dtype="uint8", offset=0)
 @example(size=1, codec="zstd-shuffle", kind="kv", dtype="bfloat16", offset=1)
-@example(size=PIECE + 1, codec="zstd", kind="noise", dtype="uint8", offset=1)
+@example(size=WRITE_SPAN + 1, codec="zstd", kind="noise", dtype="uint8", offset=1)
 @example(size=MAX, codec="zstd-shuffle", kind="kv", dtype="bfloat16", offset=0)
 @example(size=MAX - 1, codec="raw", kind="kv", dtype="bfloat16", offset=2048 + 3)
 def test_every_local_path_keeps_every_size(workdir: Path, size: int, codec: str, kind: str, dtype: str,

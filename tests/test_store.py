@@ -80,7 +80,7 @@ def test_shuffle_compresses_bf16_kv_better_than_plain_zstd(store: Store) -> None
        codec=st.sampled_from([0, 1, 2]), piece=st.sampled_from([64, 1000, 1 << 20]))
 def test_codec_property_lossless(data: bytes, itemsize: int, codec: int, piece: int) -> None:
     c = Codec()
-    with mock.patch.object(codec_mod, "PIECE_RAW", piece):
+    with mock.patch.object(codec_mod, "FRAME_RAW", piece):
         enc = c.encode(codec, data, itemsize)
     if codec and piece == 64 and len(data) > 128:
         assert len(list(encoded_parts(enc))) == -(-len(data) // (64 - 64 % itemsize))
@@ -98,7 +98,7 @@ def test_codec_property_lossless(data: bytes, itemsize: int, codec: int, piece: 
 def test_a_damaged_compressed_payload_never_decodes_to_wrong_bytes() -> None:
     c = Codec()
     data = bytes(range(256)) * 64
-    with mock.patch.object(codec_mod, "PIECE_RAW", 4096):
+    with mock.patch.object(codec_mod, "FRAME_RAW", 4096):
         enc = bytes(c.encode(2, data, 2))
     out = memoryview(bytearray(len(data)))
     cut, short_table, bad_length = enc[:-1], enc[:10], enc[:12] + b"\xff" * 4 + enc[16:]
@@ -698,12 +698,12 @@ def test_get_into_leaves_a_larger_buffer_alone_past_the_chunk(make_store: MakeSt
     chunk, where an unaligned buffer kept its bytes."""
     import mmap
 
-    from store.segment import READ_PIECE
+    from store.segment import READ_SPAN
 
     store = make_store(segment_bytes=32 * MiB)
     if not store.stats().tiers["nvme"].direct_io:
         pytest.skip("the tier's filesystem does not take O_DIRECT")
-    for i, n in enumerate((1, 4095, 4097, READ_PIECE - 1, READ_PIECE + 1, 3 * MiB + 5)):
+    for i, n in enumerate((1, 4095, 4097, READ_SPAN - 1, READ_SPAN + 1, 3 * MiB + 5)):
         k = key(i)
         data = content(k, n + 8)[:n]  # (content makes at least 8 bytes)
         assert store.put(k, data, SMALL_LAYOUT, tokens=16, codec=codec)
@@ -723,10 +723,10 @@ def test_compaction_moves_records_over_a_write_piece_of_unaligned_length(make_st
     ring was indexed before it was filled), so maintenance failed for good."""
     import mmap
 
-    from store.segment import PIECE
+    from store.segment import WRITE_SPAN
 
     store = make_store(segment_bytes=20 * MiB)  # two records a segment
-    n = PIECE + MiB + 123
+    n = WRITE_SPAN + MiB + 123
     src = mmap.mmap(-1, n + 4096)  # page-aligned: the direct path writes it without a copy
     keys = [key(i) for i in range(6)]
     for k in keys:
@@ -743,7 +743,7 @@ def test_compaction_moves_records_over_a_write_piece_of_unaligned_length(make_st
     for k in zkeys:
         assert store.put(k, noise(k), SMALL_LAYOUT, tokens=16, codec="zstd-shuffle")
         info = store.info(k)
-        assert info is not None and info.stored_bytes > PIECE and info.stored_bytes % 4096
+        assert info is not None and info.stored_bytes > WRITE_SPAN and info.stored_bytes % 4096
     store.evict(keys[::2] + zkeys[::2])
     removed, reclaimed = store.compact(min_dead_ratio=0.3)
     assert removed >= 2 and reclaimed > 0
