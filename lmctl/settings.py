@@ -25,7 +25,8 @@ from .units import format_duration, parse_duration
 
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
-              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max")
+              "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max",
+              "eviction")
 TIER_KEYS = ("capacity", "path", "pin_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
 REMOTE_KEYS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
@@ -170,6 +171,12 @@ def _read_store_key(key: str, value: Any) -> Any:
         return lvl
     if key == "default_tier":
         return str(value)
+    if key == "eviction":
+        from store.config import EVICTION_POLICIES
+
+        if value not in EVICTION_POLICIES:
+            raise StoreError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {shown(value)}")
+        return value
     if key == "segment_bytes":
         return _bounded(parse_unit_size(value, key), key)
     if key == "fsync":

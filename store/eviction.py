@@ -4,12 +4,14 @@ First go the unpinned chunks of retired namespaces (a model fingerprint that a n
 checkpoint has replaced, see ``Namespaces.retired``), then, by the store's ``eviction``
 setting:
 
-``segment`` (the default): whole segments, the cheapest first. A segment's cost is the live
-bytes evicting it would lose or move, less a credit for each of its chunks in the tier's LRU
-tail (the coldest ``WINDOW`` times the bytes to free, in LRU order: the colder, the larger the
-credit); its benefit is its whole size, dead bytes included. Every unpinned chunk of a chosen
-segment goes; its pinned chunks are moved out by compaction (``_fit``) and the segment file
-is removed whole. Live bytes are moved only for pins, so the bytes written stay close to the
+``segment`` (the default): whole sealed segments, the cheapest first. A segment's cost is
+what evicting it would lose or move: each of its unpinned chunks costs its place in the tier's
+LRU order (0 for the least recently used, 1 for the most recent) per byte, each pinned byte
+``PIN_COST`` (it must be moved), dead bytes nothing; its benefit is its size less its pinned
+bytes; the lowest cost per byte of benefit goes first (cost-benefit cleaning, as in a
+log-structured file system, with recency for age). Every unpinned chunk of a chosen segment
+goes; its pinned chunks are moved out by compaction (``_fit``), into segments of their own,
+and the segment file is removed whole. Live bytes are moved only for pins, so the bytes written stay close to the
 bytes put (write amplification near 1 under churn), at a small cost in hit ratio
 (benchmarks/churn.py measures both).
 
@@ -28,17 +30,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .compaction import Compactor
-from .config import TIER_NAMES, StoreConfig
+from .config import StoreConfig
 from .index import ENTRY_TIER_OFFSET, SEG_SEALED, Entry, Index, Txn, entry_head, lru_chunk
 from .namespaces import Namespaces
 from .segment import ALIGN
 from .space import Space
 from .types import Evicted
 
-#: the segment policy credits the chunks of the tier's LRU tail: the coldest this many times the
-#: bytes an eviction frees (at least ``WINDOW_SHARE`` of the tier's live bytes)
-WINDOW = 2.0
-WINDOW_SHARE = 0.25
 #: what moving a pinned byte out of a chosen segment costs, against losing a hot byte (1)
 PIN_COST = 4.0
 
@@ -208,25 +206,20 @@ class Evictor:
         with ``moves``) join ``victims`` and the segments ``segments``. Returns the bytes freed."""
         if freed >= to_free:
             return freed
-        live = t.counter(f"live:{TIER_NAMES[tid]}")
-        window = max(WINDOW * to_free, WINDOW_SHARE * live)
-        tail: list[tuple[int, int]] = []  # (segment, record length) of the LRU tail's movable chunks
-        seen = 0
+        # each unpinned chunk costs its place in the tier's LRU order, 0 (the coldest) to 1 (the
+        # most recently used), per byte: a segment of cold chunks is cheap to evict whole
+        order: list[tuple[int, int]] = []  # (segment, record length), least recently used first
         for k in t.keys("lru", bytes([tid])):
-            if seen >= window:
-                break
             key = lru_chunk(k)
             raw = t.entry_raw(key)
             head = None if raw is None else entry_head(raw)
-            if head is None:
-                continue
-            seen += head[2]
-            if moves or not t.pinned(key):
-                tail.append((head[0], head[2]))
-        credit: dict[int, float] = defaultdict(float)
+            if head is not None and (moves or not t.pinned(key)):
+                order.append((head[0], head[2]))
+        total = sum(n for _sid, n in order) or 1
+        rank: dict[int, float] = defaultdict(float)
         pos = 0
-        for sid, n in tail:
-            credit[sid] += n * (1.0 - pos / seen)  # the coldest first: the largest credit
+        for sid, n in order:
+            rank[sid] += n * (pos + n / 2) / total
             pos += n
         # pinned bytes by segment: moving them out costs writes (all but spills, which move anyway)
         pinned: dict[int, int] = defaultdict(int)
@@ -241,7 +234,7 @@ class Evictor:
             if s.tier != tid or s.state != SEG_SEALED:
                 continue
             p = pinned.get(sid, 0)
-            cost = max(0.0, s.live_bytes - p - credit.get(sid, 0.0)) + PIN_COST * p
+            cost = rank.get(sid, 0.0) + PIN_COST * p  # dead bytes cost nothing
             cands.append((cost / max(s.size - p, 1), sid))
         cands.sort()
         for _score, sid in cands:
