@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .compaction import Compactor
-from .config import StoreConfig
+from .config import TIER_NAMES, StoreConfig
 from .index import ENTRY_TIER_OFFSET, SEG_SEALED, Entry, Index, Txn, entry_head, lru_chunk
 from .namespaces import Namespaces
 from .segment import ALIGN
@@ -39,6 +39,8 @@ from .types import Evicted
 
 #: what moving a pinned byte out of a chosen segment costs, against losing a hot byte (1)
 PIN_COST = 4.0
+#: the most chunks of a tier's LRU order the segment policy ranks per eviction
+SCAN_MAX = 1 << 18
 
 
 @dataclass
@@ -88,6 +90,12 @@ class Evictor:
         room = self._room(tier, incoming, trim)
         if room is None:
             return 0
+        if self._config().eviction == "segment":
+            # choosing reads the tier's LRU order: in a read transaction, which holds up no
+            # writer; the drop skips what changed meanwhile (moved, evicted, pinned)
+            with self.index.read() as t:
+                victims, retired, room.segments = self._pick(t, room.tid, room.to_free, False)
+            return self._fit(room, self.index.write(lambda t: self._drop(t, tier, victims, retired)))
 
         def fn(t: Txn) -> int:
             victims, retired, room.segments = self._pick(t, room.tid, room.to_free, False)
@@ -208,18 +216,25 @@ class Evictor:
             return freed
         # each unpinned chunk costs its place in the tier's LRU order, 0 (the coldest) to 1 (the
         # most recently used), per byte: a segment of cold chunks is cheap to evict whole
+        # (on a tier of more than ``SCAN_MAX`` chunks, those beyond it cost 1, as the most recent)
         order: list[tuple[int, int]] = []  # (segment, record length), least recently used first
         for k in t.keys("lru", bytes([tid])):
+            if len(order) >= SCAN_MAX:
+                break
             key = lru_chunk(k)
             raw = t.entry_raw(key)
             head = None if raw is None else entry_head(raw)
             if head is not None and (moves or not t.pinned(key)):
                 order.append((head[0], head[2]))
-        total = sum(n for _sid, n in order) or 1
+        name = TIER_NAMES[tid]
+        total = max(sum(n for _sid, n in order),
+                    t.counter(f"live:{name}") - (0 if moves else t.counter(f"pinned:{name}")), 1)
         rank: dict[int, float] = defaultdict(float)
+        ranked: dict[int, int] = defaultdict(int)  # bytes ranked, by segment
         pos = 0
         for sid, n in order:
             rank[sid] += n * (pos + n / 2) / total
+            ranked[sid] += n
             pos += n
         # pinned bytes by segment: moving them out costs writes (all but spills, which move anyway)
         pinned: dict[int, int] = defaultdict(int)
@@ -234,7 +249,8 @@ class Evictor:
             if s.tier != tid or s.state != SEG_SEALED:
                 continue
             p = pinned.get(sid, 0)
-            cost = rank.get(sid, 0.0) + PIN_COST * p  # dead bytes cost nothing
+            unranked = max(0, s.live_bytes - p - ranked.get(sid, 0))
+            cost = rank.get(sid, 0.0) + unranked + PIN_COST * p  # dead bytes cost nothing
             cands.append((cost / max(s.size - p, 1), sid))
         cands.sort()
         for _score, sid in cands:

@@ -70,6 +70,21 @@ def test_pinned_chunks_are_never_evicted_and_the_capacity_holds(make_store: Make
     assert store.check(deep=True) == []
 
 
+def test_a_tier_larger_than_the_ranking_scan_still_evicts_by_segment(make_store: MakeStore,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a tier of more chunks than one eviction ranks (``SCAN_MAX``), the rest count as the
+    most recently used: still whole segments, pins kept, capacity held."""
+    import store.eviction
+
+    monkeypatch.setattr(store.eviction, "SCAN_MAX", 16)
+    s, clock = churn_store(make_store, "segment")
+    _keys, pinned = churn(s, clock, 300)
+    st = s.stats()
+    assert st.counters["evicted"] > 100 and st.write_amplification <= 1.1
+    assert s.locate(sorted(pinned)) == ["nvme"] * len(pinned)
+    assert s.check(deep=True) == []
+
+
 def test_segment_policy_keeps_write_amplification_near_one_under_churn(make_store: MakeStore,
                                                                        tmp_path: Path) -> None:
     """The same seeded churn through both policies: exact LRU leaves dead space in partly
