@@ -11,9 +11,9 @@ LRU order (0 for the least recently used, 1 for the most recent) per byte, each 
 bytes; the lowest cost per byte of benefit goes first (cost-benefit cleaning, as in a
 log-structured file system, with recency for age). Every unpinned chunk of a chosen segment
 goes; its pinned chunks are moved out by compaction (``_fit``), into segments of their own,
-and the segment file is removed whole. Live bytes are moved only for pins, so the bytes written stay close to the
-bytes put (write amplification near 1 under churn), at a small cost in hit ratio
-(benchmarks/churn.py measures both).
+and the segment file is removed whole. Live bytes are moved only for pins, so the bytes
+written stay close to the bytes put (write amplification near 1 under churn), at a small
+cost in hit ratio (benchmarks/churn.py measures both).
 
 ``lru``: the least recently used unpinned chunks, one by one; the dead space they leave in
 partly live segments is compacted when evicting alone cannot make the room (live bytes moved).
@@ -159,8 +159,8 @@ class Evictor:
             self.compactor.compact_segments(room.tier, room.segments)
         used = self.space.used(room.tier)
         if used + incoming > cap:
-            # dead space in partly live segments: reclaim it now (rare with LRU, since
-            # old segments die whole)
+            # dead space in partly live segments: reclaim it now (what exact LRU leaves once
+            # re-reads make its order depart from the order chunks were written in)
             self.compactor.compact(room.tier, min_dead_ratio=0.0, until_free=used + incoming - cap)
             used = self.space.used(room.tier)
             if used + incoming > cap and st.open_seg is not None:
