@@ -27,7 +27,7 @@ TIERS = ("dram", "nvme", "remote")
 #: the store settings ``config set`` takes (``lmctl/settings.py`` reads them; a test keeps the two equal)
 STORE_SETTINGS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
                   "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max",
-                  "admit", "admit_ghosts")
+                  "admit", "admit_ghosts", "eviction")
 TIER_SETTINGS = ("capacity", "path", "pin_budget", "write_budget")
 REMOTE_SETTINGS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                    "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")

@@ -36,7 +36,7 @@ from .units import format_duration, parse_duration
 #: store-wide settings and how their values are read
 STORE_KEYS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
               "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max",
-              "admit", "admit_ghosts")
+              "admit", "admit_ghosts", "eviction")
 #: ``write_budget`` is the nvme tier's only (``tiers.nvme.write_budget``; a dram tier does not wear)
 TIER_KEYS = ("capacity", "path", "pin_budget", "write_budget")
 #: the remote tier's settings, ``remote.KEY`` (``remote.url`` "" or "none" removes the tier)
@@ -182,6 +182,12 @@ def _read_store_key(key: str, value: Any) -> Any:
         return lvl
     if key == "default_tier":
         return str(value)
+    if key == "eviction":
+        from store.config import EVICTION_POLICIES
+
+        if value not in EVICTION_POLICIES:
+            raise StoreError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {shown(value)}")
+        return value
     if key == "segment_bytes":
         return _bounded(parse_unit_size(value, key), key)
     if key == "fsync":

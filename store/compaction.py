@@ -50,6 +50,27 @@ class Compactor:
                     reclaimed += size
         return Compacted(removed, reclaimed)
 
+    def compact_segments(self, tier: str, sids: list[int]) -> Compacted:
+        """Move what is still live in segments ``sids`` of ``tier`` elsewhere and remove them
+        (eviction's segment policy chose them whole); a segment already gone is skipped."""
+        st = self.space.tier(tier)
+        removed = reclaimed = 0
+        with self.index.read() as t:
+            todo = [(sid, s) for sid, s in ((sid, t.segment(sid)) for sid in sids)
+                    if s is not None and s.tier == st.tid and s.state == SEG_SEALED]
+        # what moves (pinned chunks, mostly) goes to segments of its own, apart from new chunks:
+        # pinned chunks end up together, in segments no eviction needs to touch again
+        moving = any(s.live_count for _sid, s in todo)
+        if moving:
+            self.space.seal_open(st)
+        for sid, s in todo:
+            if self._compact_segment(st, sid):
+                removed += 1
+                reclaimed += s.size
+        if moving:
+            self.space.seal_open(st)
+        return Compacted(removed, reclaimed)
+
     def _compact_segment(self, st: TierState, sid: int) -> bool:
         with self.lock:
             with self.index.read() as t:

@@ -57,6 +57,8 @@ ADMIT_MODES = ("all", "second-hit")
 ADMIT_GHOSTS = 262144
 #: the most keys the ghost list may remember
 ADMIT_GHOSTS_MAX = 1 << 26
+#: how eviction chooses what leaves a full tier (store/eviction.py)
+EVICTION_POLICIES = ("segment", "lru")
 
 
 @dataclass
@@ -118,6 +120,10 @@ class StoreConfig:
     codec_level: int = 1
     #: eviction brings a full tier down to this fraction of its capacity
     low_watermark: float = 0.9
+    #: what leaves a full tier: ``segment`` (whole segments, the coldest and emptiest first, so
+    #: that eviction moves almost no live bytes) or ``lru`` (exact LRU chunk by chunk, and
+    #: compaction of the dead space it leaves)
+    eviction: str = "segment"
     #: how often access times (for LRU) are written to the index, in seconds
     access_flush_s: float = 1.0
     #: sealed segments with at least this fraction of dead bytes are compacted
@@ -165,6 +171,8 @@ class StoreConfig:
             raise StoreError("segment_bytes must be at least 64 KiB")
         if not 0 < self.low_watermark <= 1:
             raise StoreError("low_watermark must be in (0, 1]")
+        if self.eviction not in EVICTION_POLICIES:
+            raise StoreError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {self.eviction!r}")
         if self.retire_after_s < 0:
             raise StoreError("retire_after_s must not be negative")
         if self.compress_cold_after_s < 0:
