@@ -214,14 +214,19 @@ class Result:
         return self.fill_sum / self.requests if self.requests else 0.0
 
     @property
+    def written_per_hit(self) -> float:
+        """Bytes written to the tier (records, compaction, headers) per chunk served."""
+        return self.written_bytes / self.hits if self.hits else 0.0
+
+    @property
     def read_per_hit(self) -> float:
         return (self.hit_bytes + self.compacted_bytes) / self.hits if self.hits else 0.0
 
 
-def store_config(g: Geometry, policy: str) -> StoreConfig:
+def store_config(g: Geometry, policy: str, admit: str = "all") -> StoreConfig:
     """The store a run uses: one nvme tier (segments of a 16th of it, as any small tier gets)."""
     return StoreConfig(tiers={"nvme": TierConfig(capacity=g.tier_bytes, pin_budget=0.5)}, eviction=policy,
-                       fsync=False)
+                       fsync=False, admit=admit)
 
 
 def payload(g: Geometry) -> bytes:
@@ -255,8 +260,10 @@ def run_trace(name: str, trace: Trace, cfg: StoreConfig, g: Geometry, seed: int,
                 res.hits += found
                 store.flush()  # access times reach the index: eviction sees this request
                 missing = req.keys[found:]
-                if missing:
-                    store.put_many([PutItem(k, data, LAYOUT) for k in missing])
+                if req.pin and cfg.admit != "all":  # an ops script pinning a document it sends: a pin
+                    store.pin("benchmark", req.keys)  # made first is always admitted (store/admission.py)
+                if missing:  # an engine's save: admission decides what reaches the tier
+                    store.save_many([PutItem(k, data, LAYOUT) for k in missing])
                 if req.pin:
                     store.pin("benchmark", req.keys)
                     pinned.extend(req.keys)
@@ -326,12 +333,14 @@ def summary(results: list[Result]) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
         out.setdefault(r.trace, {}).setdefault(r.policy, {"wa": [], "hit_ratio": [], "read_per_hit": [], "fill": [],
-                                                          "pinned_lost": 0, "over_capacity": 0})
+                                                          "written_per_hit": [], "pinned_lost": 0,
+                                                          "over_capacity": 0})
         cell = out[r.trace][r.policy]
         cell["fill"].append(r.fill)
         cell["wa"].append(r.wa)
         cell["hit_ratio"].append(r.hit_ratio)
         cell["read_per_hit"].append(r.read_per_hit)
+        cell["written_per_hit"].append(r.written_per_hit)
         cell["pinned_lost"] += r.pinned_lost
         cell["over_capacity"] += r.over_capacity
     return out
@@ -363,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=Path("."), help="where the stores are made (a disk, not tmpfs)")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false",
                     help="leave out lru-sim: an ideal exact LRU simulated in memory (hit ratio reference)")
+    ap.add_argument("--admit", default="all,second-hit",
+                    help="admission modes to run the segment policy with (lru runs with all), comma-separated")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     ingest = 3.0
@@ -370,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         a.rounds, a.tier_mib, a.chunk_kib, ingest = 1, 16.0, 180.0, 2.0
     names = [t.strip() for t in a.traces.split(",") if t.strip()]
     unknown = [t for t in names if t not in TRACES]
+    admits = [m.strip() for m in a.admit.split(",") if m.strip()]
+    if not admits or any(m not in ("all", "second-hit") for m in admits):
+        print("churn.py: --admit takes all and/or second-hit", file=sys.stderr)
+        return 2
+    runs = [(p, "all", p) for p in POLICIES]  # the goals compare these two
+    runs += [("segment", m, f"seg+{m}") for m in admits if m != "all"]
     if unknown or a.rounds < 1 or a.tier_mib < 16 or a.chunk_kib < 4:
         print(f"churn.py: unknown trace(s) {', '.join(unknown)}" if unknown else
               "churn.py: --rounds >= 1, --tier-mib >= 16, --chunk-kib >= 4", file=sys.stderr)
@@ -378,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     a.dir.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     for rnd in range(a.rounds):
-        order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
+        order = runs if rnd % 2 == 0 else runs[::-1]
         for name in names:
-            for policy in order:
-                r = run_trace(name, TRACES[name], store_config(g, policy), g, a.seed + rnd, a.dir, policy)
+            for policy, admit, label in order:
+                r = run_trace(name, TRACES[name], store_config(g, policy, admit), g, a.seed + rnd, a.dir, label)
                 results.append(r)
                 if not a.json:
                     print(f"  round {rnd + 1} {name:6s} {policy:8s} WA {r.wa:.3f}  hit {100 * r.hit_ratio:5.1f}%  "
@@ -392,19 +409,21 @@ def main(argv: list[str] | None = None) -> int:
     gl = goals(summ)
     if a.json:
         print(json.dumps({"geometry": asdict(g), "rounds": a.rounds, "seed": a.seed, "goals": gl,
-                          "summary": summ, "runs": [{**asdict(r), "wa": r.wa, "hit_ratio": r.hit_ratio,
-                                                     "read_per_hit": r.read_per_hit} for r in results]}, indent=1))
+                          "summary": summ, "runs": [
+                              {**asdict(r), "wa": r.wa, "hit_ratio": r.hit_ratio, "read_per_hit": r.read_per_hit,
+                               "written_per_hit": r.written_per_hit} for r in results]}, indent=1))
         return 0
     print(f"tier {g.tier_bytes / MiB:.0f} MiB, chunks {g.chunk_bytes / 1024:.0f} KiB ({g.fit} fit), "
           f"{a.rounds} round(s), seeds {a.seed}-{a.seed + a.rounds - 1}; median [min-max] over rounds")
     print(f"{'trace':6s} {'policy':8s} {'write ampl.':>20s} {'hit ratio %':>18s} {'KiB read/hit':>16s} "
-          f"{'fill %':>18s}")
+          f"{'fill %':>18s} {'KiB written/hit':>18s}")
     for trace, pol in summ.items():
         for policy, c in pol.items():
             print(f"{trace:6s} {policy:8s} {spread(c['wa'], '.3f'):>20s} "
                   f"{spread([100 * h for h in c['hit_ratio']], '.1f'):>18s} "
                   f"{spread([b / 1024 for b in c['read_per_hit']], '.0f'):>16s} "
-                  f"{spread([100 * f for f in c['fill']], '.1f'):>18s}")
+                  f"{spread([100 * f for f in c['fill']], '.1f'):>18s} "
+                  f"{spread([b / 1024 for b in c['written_per_hit']], '.0f'):>18s}")
     if gl["churn_wa"] is not None:
         print(f"goal WA <= {WA_GOAL} under churn (segment): {gl['churn_wa']:.3f}: "
               f"{'met' if gl['wa_met'] else 'NOT met'}")
