@@ -12,6 +12,8 @@ from .keys import (
     Namespace,
     NamespaceRecord,
     adapter_digest,
+    boundary_keys,
+    chain_hash,
     chunk_keys,
     parse_key,
     short_key,
@@ -27,6 +29,7 @@ from .types import (
     Explanation,
     LookupResult,
     MaintenanceResult,
+    PartialHit,
     Problem,
     PutItem,
     RewriteResult,
@@ -38,8 +41,9 @@ from .types import (
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "Counts",
     "DiskFullError", "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult",
-    "MaintenanceResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
+    "MaintenanceResult", "MiB", "PartialHit", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
     "ReadOnlyError", "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats",
     "TierConfig", "TierStats",
-    "adapter_digest", "chunk_keys", "open_shared", "parse_key", "release_shared", "short_key",
+    "adapter_digest", "boundary_keys", "chain_hash", "chunk_keys", "open_shared", "parse_key", "release_shared",
+    "short_key",
 ]

@@ -55,6 +55,8 @@ from .schema import (  # noqa: F401 (the key builders are the index's too)
     COUNT_NS,
     DB_NAMES,
     DbName,
+    alias_back,
+    alias_row,
     counter_key,
     keylabel_key,
     label_count_key,
@@ -64,10 +66,12 @@ from .schema import (  # noqa: F401 (the key builders are the index's too)
     lru_chunk,
     lru_key,
     ns_count_key,
+    pack_alias,
     prefix_back,
     prefix_row,
     seg_id,
     seg_key,
+    unpack_alias,
 )
 from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 from .types import Origin
@@ -453,12 +457,49 @@ class Txn:
             self.raw.put(key, _PIN.pack(refs, 0), db=self.index.pins)
         self._count_entry(key, e, 1, refs > 0)
 
-    def unindex_entry(self, key: bytes, e: Entry) -> bytes | None:
+    def add_aliases(self, key: bytes, aliases: Sequence[tuple[bytes, int]]) -> None:
+        """Index ``aliases`` of ``key``: each (partial key, tokens) finds the first ``tokens``
+        of ``key``'s record (``keys.boundary_keys``). An alias already held by another chunk
+        is left to it."""
+        if not self.index.has_aliases:
+            return
+        for alias, tokens in aliases:
+            row = alias_row(alias)
+            if alias == key or self.raw.get(row, db=self.index.aliases) is not None:
+                continue
+            self.raw.put(row, pack_alias(key, tokens), db=self.index.aliases)
+            self.raw.put(alias_back(key, alias), b"", db=self.index.aliases)
+
+    def alias(self, alias: bytes) -> tuple[bytes, int] | None:
+        """The chunk key and token count an alias names (None: none, or a row this code
+        did not write)."""
+        if not self.index.has_aliases:
+            return None
+        raw = self.raw.get(alias_row(alias), db=self.index.aliases)
+        return None if raw is None else unpack_alias(raw, len(alias))
+
+    def forget_aliases(self, key: bytes) -> int:
+        """Drop every alias of ``key`` (its chunk leaves the index); how many."""
+        if not self.index.has_aliases:
+            return 0
+        back = alias_back(key)
+        names = [bytes(k[len(back):]) for k in self.keys("aliases", back)]
+        for alias in names:
+            self.raw.delete(alias_back(key, alias), db=self.index.aliases)
+            raw = self.raw.get(alias_row(alias), db=self.index.aliases)
+            if raw is not None and bytes(raw[: len(key)]) == key:
+                self.raw.delete(alias_row(alias), db=self.index.aliases)
+        return len(names)
+
+    def unindex_entry(self, key: bytes, e: Entry, keep_aliases: bool = False) -> bytes | None:
         """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing
         live is forgotten and its file removed after commit. Returns the chunk's prefix id
-        (for a move, which indexes it again), if it had one."""
+        (for a move, which indexes it again), if it had one. Its aliases go with it, unless
+        ``keep_aliases`` (a move or a re-encoding, which indexes the same key again)."""
         self.raw.delete(key, db=self.index.chunks)
         prefix = self.forget_prefix(key)
+        if not keep_aliases:
+            self.forget_aliases(key)
         self.raw.delete(lru_key(e.tier, e.last_access, key), db=self.index.lru)
         self.raw.delete(loc_key(e.seg, e.off), db=self.index.locs)
         tname = TIER_NAMES[e.tier]
@@ -677,11 +718,12 @@ class Index:
         (self.prefixes, self.events), self.has_events = self._later_dbs(b"prefixes", b"events")
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
         (self.announce,), self.has_announce = self._later_dbs(b"announce")
+        (self.aliases,), self.has_aliases = self._later_dbs(b"aliases")
         self._dbs: dict[str, Any] = {
             "meta": self.meta, "chunks": self.chunks, "lru": self.lru, "locs": self.locs, "segs": self.segs,
             "pins": self.pins, "labels": self.labels, "namespaces": self.ns, "prefixes": self.prefixes,
             "events": self.events, "keylabels": self.keylabels, "counts": self.counts,
-            "announce": self.announce}
+            "announce": self.announce, "aliases": self.aliases}
         assert tuple(self._dbs) == DB_NAMES
 
     def db(self, name: DbName) -> Any:
