@@ -21,9 +21,8 @@ from store import (
     KVFormat,
     Namespace,
     PartialHit,
-    boundary_keys,
-    chain_hash,
     open_shared,
+    record_key,
     release_shared,
 )
 
@@ -262,21 +261,21 @@ class LMCtlConnectorScheduler:
             prefixes = self._prefixes(st)
             saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc],
                                 prefixes[c] if c < len(prefixes) else None,
-                                aliases=self._aliases(st, c, cs)))
+                                aliases=self._aliases(st, c)))
             if self.announcer is not None:
                 self._announce(st, c, key)
         if not st.tail_done and st.next_save >= len(st.keys) and computed_after >= len(st.prompt):
             st.tail_done = True
-            self._plan_tail(saves, req_id, st)
+            try:
+                self._plan_tail(saves, req_id, st)
+            except Exception as exc:  # a save that cannot be planned is not made, never an engine error
+                log.warning("lmctl: the tail of request %s is not saved: %s", req_id, exc)
 
-    def _aliases(self, st: _Req, c: int, tokens: int) -> list[tuple[bytes, int]]:
-        """The partial keys at the block boundaries inside chunk ``c``'s first ``tokens``
-        (the record's own end excluded), with their token counts: what the index finds the
-        record's leading blocks by. A failure costs only those."""
+    def _aliases(self, st: _Req, c: int) -> list[tuple[bytes, int]]:
+        """The partial keys at the block boundaries inside full chunk ``c``, with their token
+        counts: what the index finds the record's leading blocks by. A failure costs only those."""
         try:
-            cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
-            inner = boundary_keys(st.ns, chain_hash(st.ns, st.keys, c), st.prompt[c * cs : c * cs + tokens], bs)
-            return [(k, n) for n, k in inner if n < tokens]
+            return record_key(st.ns, st.keys, st.prompt, c, self.ctx.block_size)[1]
         except Exception as exc:
             log.warning("lmctl: aliases of chunk %d not made: %s", c, exc)
             return []
@@ -292,14 +291,10 @@ class LMCtlConnectorScheduler:
         first = c * (cs // bs)
         if n <= have or len(st.block_ids) < first + n // bs:
             return
-        inner = boundary_keys(st.ns, chain_hash(st.ns, st.keys, c), st.prompt[c * cs : c * cs + n], bs)
-        if not inner or inner[-1][0] != n:
-            return
-        key = inner[-1][1]
+        key, aliases = record_key(st.ns, st.keys, st.prompt, c, bs, n)
         if not self._recent_saves.claim(key):
             return
-        saves.append(SaveOp(req_id, key, st.block_ids[first : first + n // bs], None, tokens=n,
-                            aliases=[(k, t) for t, k in inner[:-1]]))
+        saves.append(SaveOp(req_id, key, st.block_ids[first : first + n // bs], None, tokens=n, aliases=aliases))
         if self.announcer is not None:
             rec = self._record(st, c, n)
             if rec is not None:

@@ -16,6 +16,7 @@ from .keys import (
     chain_hash,
     chunk_keys,
     parse_key,
+    record_key,
     short_key,
 )
 from .shared import open_shared, release_shared
@@ -44,6 +45,6 @@ __all__ = [
     "MaintenanceResult", "MiB", "PartialHit", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
     "ReadOnlyError", "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats",
     "TierConfig", "TierStats",
-    "adapter_digest", "boundary_keys", "chain_hash", "chunk_keys", "open_shared", "parse_key", "release_shared",
-    "short_key",
+    "adapter_digest", "boundary_keys", "chain_hash", "chunk_keys", "open_shared", "parse_key", "record_key",
+    "release_shared", "short_key",
 ]

@@ -312,6 +312,23 @@ def boundary_keys(ns: Namespace, prev: bytes, tokens: Sequence[int], block: int)
     return out
 
 
+def record_key(ns: Namespace, keys: Sequence[bytes], tokens: Sequence[int], chunk: int, block: int,
+               n: int | None = None) -> tuple[bytes, list[tuple[bytes, int]]]:
+    r"""The key of a record of chunk ``chunk``'s first ``n`` tokens (default: the whole chunk;
+    fewer: a request's tail, whole ``block``\ s), and its aliases: the partial keys at the block
+    boundaries inside it with their token counts (``PutItem.aliases``). ``keys``: the full
+    chunks' keys of ``tokens`` (``chunk_keys``), of which the chunks before ``chunk`` count."""
+    cs = ns.kv_format.chunk_size
+    n = cs if n is None else n
+    if not 0 < n <= cs or n % block or (n < cs and cs % block) or len(tokens) < chunk * cs + n:
+        raise StoreError(f"a record of chunk {chunk} holds whole blocks of {block} tokens, up to a chunk of {cs}, "
+                         f"of the {len(tokens)} given; not {n}")
+    inner = boundary_keys(ns, chain_hash(ns, keys, chunk), tokens[chunk * cs : chunk * cs + n], block)
+    if n == cs and n % block:  # a chunk that is not whole blocks: its own key, no aliases
+        return chunk_keys(ns, tokens[: (chunk + 1) * cs])[-1], []
+    return inner[-1][1], [(k, t) for t, k in inner[:-1]]
+
+
 def prefix_ids(tokens: Sequence[int], chunk_size: int, secret: bytes, limit: int | None = None) -> list[bytes]:
     """The namespace-free id of the token prefix that ends each full chunk of ``tokens``:
     ``HMAC-SHA256(secret, "lmctl/prefix/v1\\0" || tokens[:end] as little-endian uint32)[:16]``
