@@ -460,15 +460,16 @@ class Txn:
     def add_aliases(self, key: bytes, aliases: Sequence[tuple[bytes, int]]) -> None:
         """Index ``aliases`` of ``key``: each (partial key, tokens) finds the first ``tokens``
         of ``key``'s record (``keys.boundary_keys``). An alias already held by another chunk
-        is left to it."""
-        if not self.index.has_aliases:
+        is left to it. One row per alias, and one row naming them all for ``forget_aliases``."""
+        if not self.index.has_aliases or not aliases:
             return
-        for alias, tokens in aliases:
-            row = alias_row(alias)
-            if alias == key or self.raw.get(row, db=self.index.aliases) is not None:
-                continue
-            self.raw.put(row, pack_alias(key, tokens), db=self.index.aliases)
-            self.raw.put(alias_back(key, alias), b"", db=self.index.aliases)
+        db = self.index.aliases
+        mine = [a for a, tokens in aliases
+                if a != key and self.raw.put(alias_row(a), pack_alias(key, tokens), overwrite=False, db=db)]
+        if mine:
+            back = alias_back(key)
+            old = self.raw.get(back, db=db)
+            self.raw.put(back, (b"" if old is None else bytes(old)) + b"".join(mine), db=db)
 
     def alias(self, alias: bytes) -> tuple[bytes, int] | None:
         """The chunk key and token count an alias names (None: none, or a row this code
@@ -482,14 +483,20 @@ class Txn:
         """Drop every alias of ``key`` (its chunk leaves the index); how many."""
         if not self.index.has_aliases:
             return 0
+        db = self.index.aliases
         back = alias_back(key)
-        names = [bytes(k[len(back):]) for k in self.keys("aliases", back)]
-        for alias in names:
-            self.raw.delete(alias_back(key, alias), db=self.index.aliases)
-            raw = self.raw.get(alias_row(alias), db=self.index.aliases)
-            if raw is not None and bytes(raw[: len(key)]) == key:
-                self.raw.delete(alias_row(alias), db=self.index.aliases)
-        return len(names)
+        raw = self.raw.get(back, db=db)
+        if raw is None:
+            return 0
+        names = bytes(raw)
+        self.raw.delete(back, db=db)
+        n = len(key)
+        for i in range(0, len(names) - n + 1, n):
+            alias = names[i : i + n]
+            row = self.raw.get(alias_row(alias), db=db)
+            if row is not None and bytes(row[:n]) == key:
+                self.raw.delete(alias_row(alias), db=db)
+        return len(names) // n
 
     def unindex_entry(self, key: bytes, e: Entry, keep_aliases: bool = False) -> bytes | None:
         """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing

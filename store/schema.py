@@ -107,10 +107,10 @@ def alias_row(alias: bytes) -> bytes:
     return ALIAS_ROW + alias
 
 
-def alias_back(key: bytes, alias: bytes = b"") -> bytes:
-    """The ``aliases`` row that names an alias of ``key`` (none: the start of ``key``'s rows),
+def alias_back(key: bytes) -> bytes:
+    """The ``aliases`` row that names every alias of ``key`` (their keys, one after another),
     so that the aliases go with the chunk."""
-    return ALIAS_BACK + key + alias
+    return ALIAS_BACK + key
 
 
 def pack_alias(key: bytes, tokens: int) -> bytes:
