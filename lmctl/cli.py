@@ -526,12 +526,13 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
         pct = 100 * r["hit_tokens"] / total
         tail = total - n * size if size else 0
         held = (f", and the first {part['tokens']} tokens of chunk {part['chunk']} ({part['tier']}, "
-                + ("a partial record" if part["via"] == "tail" else "the leading blocks of a full chunk") + ")"
+                + ("a request's tail record" if part["via"] == "tail" else
+                   f"the first blocks of a record of {part['record_tokens']} tokens") + ")"
                 if part else "")
         term.say(f"{r['hit_tokens']} of {total} tokens cached ({pct:.0f}%), {r['hit_chunks']} of {n} full chunks"
                  + held
                  + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None
-                    and r["first_miss"] < total else "")
+                    and r["hit_chunks"] < n else "")
                  + (f"; the last {tail} token(s) are less than a chunk" if tail > 0 and not part else ""))
     ns = r.get("namespace")
     if ns:

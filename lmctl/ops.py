@@ -126,7 +126,7 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     out: dict[str, Any] = {
         "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
         "partial": part,
-        "first_miss": hit_tokens if hit < len(keys) or part is not None else None,  # null: every full chunk hits
+        "first_miss": hit_tokens if hit < len(keys) else None,  # null: every full chunk hits
         "tiers": per_tier, "namespace": namespace,
         "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
     }

@@ -255,3 +255,28 @@ def test_a_store_written_before_block_reuse_opens_and_serves(tmp_path: Path) -> 
         end, records = load(s, base, list(range(1000, 1250)) + list(range(9000, 9030)), 16)
         assert end == 240 and records[0] in saved.values()
         assert [p for p in s.check(deep=True) if not p.fixed] == []
+
+
+def test_lmctl_lookup_reports_a_partial_hit_through_the_daemon(tmp_path: Path) -> None:
+    """``lmctl lookup`` counts the leading blocks of the chunk after the cached ones, says
+    which record holds them, and stays truthful for another adapter (nothing)."""
+    from test_daemon import Daemon, cj
+
+    path = tmp_path / "store"
+    with Store(path) as s:
+        for ns in (BASE, ADAPTER):
+            s.register_namespace(ns)
+        save_request(s, ADAPTER, prompt(250, 20, seed=1), 16)
+    doc = tmp_path / "doc.json"
+    doc.write_text(json.dumps(prompt(250, 21, seed=2)))
+    d = Daemon(path)
+    d.start()
+    try:
+        r = cj(d, "lookup", "--tokens", str(doc), "--model", "m", "--adapter", str(CIVIL))
+        assert (r["hit_tokens"], r["hit_chunks"], r["first_miss"]) == (240, 0, 240)
+        assert r["partial"] == {"chunk": 0, "tokens": 240, "tier": "nvme", "key": ADAPTER.chunk_keys(
+            prompt(250, 20, seed=1))[0].hex(), "record_tokens": 256, "via": "alias"}
+        r = cj(d, "lookup", "--tokens", str(doc), "--model", "m", "--base")
+        assert (r["hit_tokens"], r["partial"]) == (0, None)
+    finally:
+        d.stop()
