@@ -180,7 +180,8 @@ def test_changed_adapter_weights_under_the_same_name_miss(engine: Engine, refere
 def test_cache_salt_isolates_tenants(engine: Engine, reference: dict) -> None:
     want = reference[("S", None)]
     assert engine.run(S, salt="tenant-1") == (want, 0)
-    assert engine.run(S, salt="tenant-1") == (want, 512)
+    # both full chunks and the tail's whole block (700 tokens: 512 + 188, of which 128 are a block)
+    assert engine.run(S, salt="tenant-1") == (want, 640)
     assert engine.run(S, salt="tenant-2") == (want, 0)
     assert engine.run(S) == (want, 0)
 
@@ -239,14 +240,17 @@ def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path
     assert text_tokens >= 512 and chat_tokens >= 256
 
     assert engine.store_path is not None
+    bs = next(iter(engine.store.namespaces().values()))["info"]["block_size"]
     cli = LmctlDaemon(engine.store_path, tmp_path / "d.sock")
     try:
+        # the full chunks, then the tail's whole blocks (a record of its own)
         r = cli("lookup", "--model", model, "--text", text)
-        assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // 256 * 256
+        assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // bs * bs
+        assert r["hit_chunks"] == text_tokens // 256
         mfile = tmp_path / "msgs.json"
         mfile.write_text(json.dumps(msgs))
         r = cli("lookup", "--model", model, "--messages", str(mfile))
-        assert r["total_tokens"] == chat_tokens and r["hit_tokens"] == chat_tokens // 256 * 256
+        assert r["total_tokens"] == chat_tokens and r["hit_tokens"] == chat_tokens // bs * bs
         assert cli("lookup", "--model", model, "--adapter", "a", "--text", text)["hit_tokens"] == 0
         # pin a document before it is ever served; serving it then fills the pinned chunks
         fresh = sample_text(300, seed=7)
