@@ -133,7 +133,7 @@ class Record:
             lora = doc.get("l")
         except (ValueError, KeyError, TypeError):
             return None
-        if (len(hashes) != chunk_size // block_size or not isinstance(tokens, list) or len(tokens) != chunk_size
+        if (not fits(len(hashes), tokens, block_size, chunk_size)
                 or not all(type(x) is int and 0 <= x < 2**32 for x in tokens)
                 or not (lora is None or (isinstance(lora, str) and len(lora) <= 256))):
             return None
@@ -143,6 +143,13 @@ class Record:
         medium, locality = TIER_MEDIUM[tier]
         return Stored(self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
                       self.lora_name, medium, locality)
+
+
+def fits(blocks: int, tokens: Any, block_size: int, chunk_size: int) -> bool:
+    """Whether ``blocks`` hashes and ``tokens`` describe one record: a full chunk, or the
+    whole blocks of a request's partial last chunk (a tail record)."""
+    return (0 < blocks <= chunk_size // block_size and isinstance(tokens, list)
+            and len(tokens) == blocks * block_size)
 
 
 def _hash_out(h: BlockHash) -> int | str:
@@ -207,8 +214,7 @@ class Announcer:
     def saving(self, key: bytes, position: int, hashes: Sequence[BlockHash], parent: BlockHash | None,
                tokens: Sequence[int], lora_name: str | None) -> None:
         """A chunk's save was planned this step: announce it in the tier saves go to."""
-        bpc = self.chunk_size // self.block_size
-        if len(hashes) != bpc or len(tokens) != self.chunk_size:
+        if not fits(len(hashes), tokens, self.block_size, self.chunk_size):
             return  # the engine did not hash these blocks (nothing to announce them by)
         rec = Record(list(hashes), parent, list(tokens), self.block_size, lora_name)
         tier = self.store.config.default_tier
@@ -229,8 +235,8 @@ class Announcer:
         is, and recorded for the re-announce after a restart."""
         for i, k in enumerate(keys):
             offered = records[i] if records is not None and i < len(records) else None
-            if offered is not None and (len(offered[1].block_hashes) != self.chunk_size // self.block_size
-                                        or len(offered[1].token_ids) != self.chunk_size):
+            if offered is not None and not fits(len(offered[1].block_hashes), offered[1].token_ids,
+                                                self.block_size, self.chunk_size):
                 offered = None
             self._recheck[k] = offered or self._recheck.get(k)
         while len(self._recheck) > self.map_limit:

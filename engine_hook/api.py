@@ -91,7 +91,7 @@ class KVCacheClient:
     def lookup(self, tokens: Sequence[int], adapter: AdapterIdentity | None = None,
                cache_salt: str | None = None) -> int:
         """How many leading tokens of ``tokens`` are cached (a multiple of the chunk size)."""
-        return self.store.lookup(self.namespace(adapter, cache_salt), tokens).hit_tokens
+        return self.store.lookup(self.namespace(adapter, cache_salt), tokens, block=None).hit_tokens
 
     def save(self, tokens: Sequence[int], kv: torch.Tensor, adapter: AdapterIdentity | None = None,
              cache_salt: str | None = None) -> int:
@@ -132,7 +132,7 @@ class KVCacheClient:
         nothing raises."""
         fmt = self.kv_format
         ns = self.namespace(adapter, cache_salt)
-        res = self.store.lookup(ns, tokens)
+        res = self.store.lookup(ns, tokens, block=None)  # whole chunks: this API saves only those
         n = res.hit_chunks
         if max_tokens is not None:
             n = min(n, max_tokens // fmt.chunk_size)

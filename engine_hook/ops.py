@@ -17,6 +17,12 @@ class LoadOp:
     req_id: str
     keys: list[bytes]
     blocks: list[list[int | None]]
+    #: tokens each key's record holds (None: every one a full chunk); a request's tail record
+    #: holds fewer, and ``blocks[i]`` then has one entry per block of it
+    tokens: list[int] | None = None
+
+    def record_tokens(self, i: int, chunk_size: int) -> int:
+        return chunk_size if self.tokens is None else self.tokens[i]
 
 
 @dataclass
@@ -28,3 +34,8 @@ class SaveOp:
     key: bytes
     blocks: list[int]
     prefix: bytes | None = None
+    #: tokens the record holds: a full chunk's, or fewer for a request's tail (whole blocks)
+    tokens: int | None = None
+    #: the partial keys at the block boundaries inside it, with their token counts: the
+    #: index finds the record's leading blocks by them (``keys.boundary_keys``)
+    aliases: list[tuple[bytes, int]] | None = None

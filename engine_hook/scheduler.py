@@ -16,7 +16,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from store import AdapterIdentity, KVFormat, Namespace, open_shared, release_shared
+from store import (
+    AdapterIdentity,
+    KVFormat,
+    Namespace,
+    PartialHit,
+    open_shared,
+    record_key,
+    release_shared,
+)
 
 from .announce import Announcer, BlockHash, Record
 from .identity import AdapterCache
@@ -77,6 +85,8 @@ class _Req:
     next_save: int = 0             # first chunk index not yet considered for saving
     block_hashes: Any = None       # vLLM's hashes of the request's blocks (KV events name blocks by them)
     lora_name: str | None = None
+    partial: PartialHit | None = None  # the leading blocks of the chunk after the stored ones
+    tail_done: bool = False        # the prompt's partial last chunk was considered for saving
 
 
 class LMCtlConnectorScheduler:
@@ -135,16 +145,16 @@ class LMCtlConnectorScheduler:
     def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         prompt = list(request.prompt_token_ids or [])
         ns = self._namespace(request, self.ctx.kv_format)
-        found = self.store.lookup(ns, prompt, remote=False)
+        bs = self.ctx.block_size
+        found = self.store.lookup(ns, prompt, remote=False, block=bs)
         if self.store.has_remote and self.store.remote_reachable and found.hit_chunks < len(found.keys):
             tiers = self._ask_remote(request.request_id, found.keys, found.tiers)
             if tiers is None:
                 return None  # asked; vLLM asks again next step
-            found.tiers = tiers
-        bs = self.ctx.block_size
+            found.set_tiers(tiers)
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
-        st = _Req(ns, found.keys, [t is not None for t in found.tiers], prompt)
+        st = _Req(ns, found.keys, [t is not None for t in found.tiers], prompt, partial=found.partial)
         if self.announcer is not None:
             st.block_hashes = getattr(request, "block_hashes", None)
             lora = getattr(request, "lora_request", None)
@@ -156,8 +166,10 @@ class LMCtlConnectorScheduler:
             self.recorder.record({"lookups": 1})
             return 0
         cs = self.ctx.kv_format.chunk_size
-        d = self.policy.decide(num_computed_tokens, end, cs, self.ctx.kv_format.chunk_bytes,
-                               [t or "" for t in found.tiers])
+        tiers = [t or "" for t in found.tiers[: found.hit_chunks]]
+        if found.partial is not None:  # the chunk after the stored ones, in part
+            tiers.append(found.partial.tier)
+        d = self.policy.decide(num_computed_tokens, end, cs, self.ctx.kv_format.chunk_bytes, tiers)
         skipped = d.stored_tokens - num_computed_tokens - d.load_tokens
         self.skipped_tokens += skipped
         self.recorder.record({"lookups": 1, "policy_recomputed_tokens": skipped})
@@ -248,9 +260,45 @@ class LMCtlConnectorScheduler:
                 continue
             prefixes = self._prefixes(st)
             saves.append(SaveOp(req_id, key, st.block_ids[c * bpc : (c + 1) * bpc],
-                                prefixes[c] if c < len(prefixes) else None))
+                                prefixes[c] if c < len(prefixes) else None,
+                                aliases=self._aliases(st, c)))
             if self.announcer is not None:
                 self._announce(st, c, key)
+        if not st.tail_done and st.next_save >= len(st.keys) and computed_after >= len(st.prompt):
+            st.tail_done = True
+            try:
+                self._plan_tail(saves, req_id, st)
+            except Exception as exc:  # a save that cannot be planned is not made, never an engine error
+                log.warning("lmctl: the tail of request %s is not saved: %s", req_id, exc)
+
+    def _aliases(self, st: _Req, c: int) -> list[tuple[bytes, int]]:
+        """The partial keys at the block boundaries inside full chunk ``c``, with their token
+        counts: what the index finds the record's leading blocks by. A failure costs only those."""
+        try:
+            return record_key(st.ns, st.keys, st.prompt, c, self.ctx.block_size)[1]
+        except Exception as exc:
+            log.warning("lmctl: aliases of chunk %d not made: %s", c, exc)
+            return []
+
+    def _plan_tail(self, saves: list[SaveOp], req_id: str, st: _Req) -> None:
+        """Save the prompt's partial last chunk, in whole blocks, where the store lacks it:
+        a short prefix (a system prompt) shorter than a chunk is then found by the next
+        request that shares it, with its own question after it."""
+        cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
+        c = len(st.keys)
+        n = (len(st.prompt) - c * cs) // bs * bs
+        have = st.partial.tokens if st.partial is not None and st.partial.chunk == c else 0
+        first = c * (cs // bs)
+        if n <= have or len(st.block_ids) < first + n // bs:
+            return
+        key, aliases = record_key(st.ns, st.keys, st.prompt, c, bs, n)
+        if not self._recent_saves.claim(key):
+            return
+        saves.append(SaveOp(req_id, key, st.block_ids[first : first + n // bs], None, tokens=n, aliases=aliases))
+        if self.announcer is not None:
+            rec = self._record(st, c, n)
+            if rec is not None:
+                self.announcer.saving(key, c, rec.block_hashes, rec.parent_block_hash, rec.token_ids, rec.lora_name)
 
     def _announce(self, st: _Req, c: int, key: bytes) -> None:
         """Announce chunk ``c``'s save to routers, by the engine's hashes of its blocks."""
@@ -259,18 +307,20 @@ class LMCtlConnectorScheduler:
         if rec is not None:
             self.announcer.saving(key, c, rec.block_hashes, rec.parent_block_hash, rec.token_ids, rec.lora_name)
 
-    def _record(self, st: _Req, c: int) -> Record | None:
-        """What to announce chunk ``c`` of a request by: the engine's hashes of its blocks, its
-        tokens and adapter (None where the engine did not hash those blocks)."""
+    def _record(self, st: _Req, c: int, tokens: int | None = None) -> Record | None:
+        """What to announce chunk ``c`` of a request by: the engine's hashes of its blocks (of
+        its first ``tokens``: a tail record's), its tokens and adapter (None where the engine
+        did not hash those blocks)."""
         cs, bs = self.ctx.kv_format.chunk_size, self.ctx.block_size
+        n = cs if tokens is None else tokens
         bpc = cs // bs
         hashes = st.block_hashes
         try:
-            if hashes is None or len(hashes) < (c + 1) * bpc or len(st.prompt) < (c + 1) * cs:
+            if hashes is None or len(hashes) < c * bpc + n // bs or len(st.prompt) < c * cs + n:
                 return None
-            ours = [self.convert_hash(h) for h in hashes[c * bpc : (c + 1) * bpc]]
+            ours = [self.convert_hash(h) for h in hashes[c * bpc : c * bpc + n // bs]]
             parent = self.convert_hash(hashes[c * bpc - 1]) if c else None
-            return Record(ours, parent, list(st.prompt[c * cs : (c + 1) * cs]), bs, st.lora_name)
+            return Record(ours, parent, list(st.prompt[c * cs : c * cs + n]), bs, st.lora_name)
         except Exception as exc:  # events are hints: a failure costs only the event
             log.warning("lmctl: KV event for chunk %d not built: %s", c, exc)
             return None
@@ -292,19 +342,29 @@ class LMCtlConnectorScheduler:
         bpc = cs // bs
         st.load_pending = False
         first, last = st.load_start // cs, (st.load_end - 1) // cs
-        keys, blocks = [], []
+        keys, blocks, sizes = [], [], []
+        part = st.partial
         for c in range(first, last + 1):
             row: list[int | None] = []
-            for j in range(bpc):
+            if part is not None and c == part.chunk:  # a tail record, or a full one's leading blocks
+                key, n = part.key, part.record_tokens
+            else:
+                key, n = st.keys[c], cs
+            for j in range(n // bs):
                 tok = c * cs + j * bs
                 bi = c * bpc + j  # the request's block index of that token
                 inside = st.load_start <= tok and tok + bs <= st.load_end
                 row.append(st.block_ids[bi] if inside and bi < len(st.block_ids) else None)
-            keys.append(st.keys[c])
+            keys.append(key)
             blocks.append(row)
-        loads.append(LoadOp(req_id, keys, blocks))
+            sizes.append(n)
+        loads.append(LoadOp(req_id, keys, blocks, None if all(n == cs for n in sizes) else sizes))
         if self.announcer is not None:
-            recs = [self._record(st, c) for c in range(first, last + 1)]
+            # a tail record is announced by its own blocks; a full chunk's record that lent only
+            # its leading blocks (an alias) holds another request's tokens after them: not this one's
+            recs = [self._record(st, c) if part is None or c != part.chunk else
+                    self._record(st, c, part.tokens) if part.alias is None else None
+                    for c in range(first, last + 1)]
             self.announcer.loaded(keys, [None if r is None else (c, r)
                                          for c, r in zip(range(first, last + 1), recs, strict=True)])
 

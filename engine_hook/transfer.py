@@ -38,8 +38,17 @@ from .stats import StatsRecorder
 log = logging.getLogger("lmctl.engine_hook")
 
 
-def chunk_layout(fmt: KVFormat) -> dict[str, Any]:
-    return {"dtype": fmt.dtype, "shape": list(fmt.chunk_shape)}
+def chunk_layout(fmt: KVFormat, tokens: int | None = None) -> dict[str, Any]:
+    """The layout a record of ``tokens`` (default: a full chunk) is stored with."""
+    shape = list(fmt.chunk_shape)
+    if tokens is not None:
+        shape[2] = tokens
+    return {"dtype": fmt.dtype, "shape": shape}
+
+
+def chunk_nbytes(fmt: KVFormat, tokens: int | None = None) -> int:
+    """Raw bytes of a record of ``tokens`` (default: a full chunk)."""
+    return fmt.chunk_bytes if tokens is None else fmt.chunk_bytes // fmt.chunk_size * tokens
 
 
 class StagingPool:
@@ -84,9 +93,11 @@ class StagingPool:
         return self._free.qsize()
 
 
-def chunk_tensor(buf: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """View a staging buffer as one chunk: [layers, planes, tokens, kv_heads, head_dim]."""
-    return buf[: fmt.chunk_bytes].view(to_dtype(fmt.dtype)).view(fmt.chunk_shape)
+def chunk_tensor(buf: torch.Tensor, fmt: KVFormat, tokens: int | None = None) -> torch.Tensor:
+    """View a staging buffer as one chunk: [layers, planes, tokens, kv_heads, head_dim]
+    (``tokens``: of a partial chunk, a request's tail, laid out the same way)."""
+    shape = fmt.chunk_shape if tokens is None else (*fmt.chunk_shape[:2], tokens, *fmt.chunk_shape[3:])
+    return buf[: chunk_nbytes(fmt, tokens)].view(to_dtype(fmt.dtype)).view(shape)
 
 
 @dataclass
@@ -111,6 +122,8 @@ class _Job:
     tokens: int
     queued_at: float
     prefix: bytes | None = None
+    aliases: list[tuple[bytes, int]] | None = None
+    nbytes: int | None = None  # the buffer's first bytes hold the record (None: all of them)
 
 
 class ChunkWriter:
@@ -137,10 +150,13 @@ class ChunkWriter:
         self._thread.start()
 
     def submit(self, key: bytes, buf: torch.Tensor, layout: dict[str, Any], tokens: int,
-               prefix: bytes | None = None) -> None:
-        """Queue a filled buffer (taken from the pool) for writing; the writer gives it back."""
+               prefix: bytes | None = None, aliases: list[tuple[bytes, int]] | None = None,
+               nbytes: int | None = None) -> None:
+        """Queue a filled buffer (taken from the pool) for writing; the writer gives it back.
+        ``aliases``: the record's partial keys (``PutItem.aliases``); ``nbytes``: the record is
+        the buffer's first ``nbytes`` (a partial chunk's)."""
         self.stats.queued += 1
-        self._q.put(_Job(key, buf, layout, tokens, time.perf_counter(), prefix))
+        self._q.put(_Job(key, buf, layout, tokens, time.perf_counter(), prefix, aliases, nbytes))
 
     #: a drop's reason in the engine's metrics -> its reason in the store's event log
     EVENT_REASONS = {"queue_full": "queue-full", "error": "failed"}
@@ -234,7 +250,8 @@ class ChunkWriter:
                 jobs.append(nxt)
             t0 = time.perf_counter()
             try:
-                items = [PutItem(j.key, j.buf.numpy().data, j.layout, j.tokens, prefix=j.prefix) for j in jobs]
+                items = [PutItem(j.key, j.buf[: j.nbytes].numpy().data, j.layout, j.tokens, prefix=j.prefix,
+                                 aliases=j.aliases or None) for j in jobs]
                 results = self.store.save_many(items)
             except ReadOnlyError as exc:  # the disk went read-only: hits go on, saves are counted
                 if not self.stats.read_only:
@@ -381,7 +398,7 @@ class PagedKV:
         rows = self._rows(block_ids)
         if self.vectorized:
             idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=self.device)
-            dev = self._scratch(out)
+            dev = self._scratch(out)[:, :, : out.shape[2]]  # a tail's tokens: the first of a chunk's
             for layer, v in enumerate(self.views):
                 g = v.index_select(0, idx)  # [R, planes, N, H, D]
                 dev[layer, :, : len(rows) * self.rows_n].copy_(g.transpose(0, 1).flatten(1, 2))
@@ -417,7 +434,9 @@ class PagedKV:
                 v[row].copy_(s[:, tok : tok + n])
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A device buffer of a full chunk shaped like ``like`` (whose tokens may be fewer)."""
+        shape = (*like.shape[:2], self.block_size * self.blocks_per_chunk, *like.shape[3:])
         buf = self._device_chunk
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self._device_chunk = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != like.dtype:
+            buf = self._device_chunk = torch.empty(shape, dtype=like.dtype, device=self.device)
         return buf

@@ -29,7 +29,7 @@ from store import open_shared, release_shared
 
 from .ops import LoadOp, SaveOp
 from .stats import StatsRecorder
-from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_tensor
+from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_nbytes, chunk_tensor
 
 if TYPE_CHECKING:
     from .context import ConnectorContext
@@ -121,6 +121,8 @@ class LMCtlConnectorWorker:
         assert self._paged is not None and self._load_pool is not None
         fmt = self.ctx.kv_format
         n = len(op.keys)
+        sizes = [op.record_tokens(i, fmt.chunk_size) for i in range(n)]  # a tail record holds fewer
+        wants = [chunk_nbytes(fmt, t) for t in sizes]
         w = max(1, min(self._window, n))
         done = 0
         bufs: list[torch.Tensor] = []
@@ -133,7 +135,7 @@ class LMCtlConnectorWorker:
             part = op.keys[start : start + w]
             outs = [b.numpy().data for b in bufs[half * w : half * w + len(part)]]
             t = time.perf_counter()
-            infos = self.store.get_many_into(part, outs, expect=fmt.chunk_bytes)
+            infos = self.store.get_many_into(part, outs, expect=wants[start : start + len(part)])
             return list(infos), (time.perf_counter() - t) / max(1, len(part))
 
         try:
@@ -167,11 +169,12 @@ class LMCtlConnectorWorker:
                 for j, info in enumerate(infos):
                     if info is None:
                         break  # missing, or failed its checks (the store dropped and counted it)
-                    if info.raw_bytes != fmt.chunk_bytes:
+                    if info.raw_bytes != wants[start + j]:
                         # the rest of the buffer would still hold the previous chunk's KV
                         why = "bad_length"
-                        log.warning("lmctl: request %s: chunk %s holds %d bytes, not a chunk's %d; a miss",
-                                    op.req_id, op.keys[start + j].hex()[:16], info.raw_bytes, fmt.chunk_bytes)
+                        log.warning("lmctl: request %s: chunk %s holds %d bytes, not the %d of its %d tokens; a miss",
+                                    op.req_id, op.keys[start + j].hex()[:16], info.raw_bytes, wants[start + j],
+                                    sizes[start + j])
                         break
                     good += 1
                 ok = good == len(infos)
@@ -180,7 +183,7 @@ class LMCtlConnectorWorker:
                     pending = self._reader.submit(read, nxt, 1 - half)  # into the other window
                 for j in range(good):
                     info = infos[j]
-                    chunk = chunk_tensor(bufs[half * w + j], fmt)
+                    chunk = chunk_tensor(bufs[half * w + j], fmt, sizes[start + j])
                     if stream is None:
                         self._paged.scatter(chunk, op.blocks[start + j])
                     else:  # on a side stream, so the engine's own stream never waits for it
@@ -310,13 +313,17 @@ class LMCtlConnectorWorker:
                 self._writer.drop(op.key)
                 continue
             try:
-                self._paged.gather(op.blocks, chunk_tensor(buf, fmt))
+                self._paged.gather(op.blocks, chunk_tensor(buf, fmt, op.tokens))
             except Exception:
                 log.warning("lmctl: gathering a chunk of request %s failed", op.req_id, exc_info=True)
                 self._pool.release(buf)
                 self._writer.drop(op.key, "error")
                 continue
-            self._writer.submit(op.key, buf, self._layout, fmt.chunk_size, op.prefix)
+            if op.tokens is None or op.tokens == fmt.chunk_size:
+                self._writer.submit(op.key, buf, self._layout, fmt.chunk_size, op.prefix, op.aliases)
+            else:  # a request's tail: its whole blocks, laid out as a chunk of fewer tokens
+                self._writer.submit(op.key, buf, chunk_layout(fmt, op.tokens), op.tokens, op.prefix, op.aliases,
+                                    chunk_nbytes(fmt, op.tokens))
         self._report_queues()
 
     def take_stats(self) -> dict[str, Any] | None:

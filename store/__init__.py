@@ -12,8 +12,11 @@ from .keys import (
     Namespace,
     NamespaceRecord,
     adapter_digest,
+    boundary_keys,
+    chain_hash,
     chunk_keys,
     parse_key,
+    record_key,
     short_key,
 )
 from .shared import open_shared, release_shared
@@ -27,6 +30,7 @@ from .types import (
     Explanation,
     LookupResult,
     MaintenanceResult,
+    PartialHit,
     Problem,
     PutItem,
     RewriteResult,
@@ -38,8 +42,9 @@ from .types import (
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "AdapterIdentity", "Chunk", "ChunkInfo", "Compacted", "CorruptEntry", "Counts",
     "DiskFullError", "Evicted", "Explanation", "GiB", "IndexWriteError", "KVFormat", "LookupResult",
-    "MaintenanceResult", "MiB", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
+    "MaintenanceResult", "MiB", "PartialHit", "Namespace", "NamespaceRecord", "PinBudgetError", "Problem", "PutItem",
     "ReadOnlyError", "RewriteResult", "Store", "StoreConfig", "StoreCounts", "StoreError", "StoreStats",
     "TierConfig", "TierStats",
-    "adapter_digest", "chunk_keys", "open_shared", "parse_key", "release_shared", "short_key",
+    "adapter_digest", "boundary_keys", "chain_hash", "chunk_keys", "open_shared", "parse_key", "record_key",
+    "release_shared", "short_key",
 ]

@@ -130,7 +130,7 @@ class Compactor:
             cur = t.entry(key)
             if cur is None or (cur.seg, cur.off) != (sid, off):
                 return
-            prefix = t.unindex_entry(key, cur)
+            prefix = t.unindex_entry(key, cur, keep_aliases=True)
             cur.seg, cur.off = nseg, noff
             t.index_entry(key, cur, prefix)  # a move is not an eviction: pins stay as they were
 

@@ -55,6 +55,8 @@ from .schema import (  # noqa: F401 (the key builders are the index's too)
     COUNT_NS,
     DB_NAMES,
     DbName,
+    alias_back,
+    alias_row,
     counter_key,
     keylabel_key,
     label_count_key,
@@ -64,10 +66,12 @@ from .schema import (  # noqa: F401 (the key builders are the index's too)
     lru_chunk,
     lru_key,
     ns_count_key,
+    pack_alias,
     prefix_back,
     prefix_row,
     seg_id,
     seg_key,
+    unpack_alias,
 )
 from .segment import ALIGN, MAX_CHUNK_BYTES, RecordTrailer, align_up, record_len
 from .types import Origin
@@ -453,12 +457,56 @@ class Txn:
             self.raw.put(key, _PIN.pack(refs, 0), db=self.index.pins)
         self._count_entry(key, e, 1, refs > 0)
 
-    def unindex_entry(self, key: bytes, e: Entry) -> bytes | None:
+    def add_aliases(self, key: bytes, aliases: Sequence[tuple[bytes, int]]) -> None:
+        """Index ``aliases`` of ``key``: each (partial key, tokens) finds the first ``tokens``
+        of ``key``'s record (``keys.boundary_keys``). An alias already held by another chunk
+        is left to it. One row per alias, and one row naming them all for ``forget_aliases``."""
+        if not self.index.has_aliases or not aliases:
+            return
+        db = self.index.aliases
+        mine = [a for a, tokens in aliases
+                if a != key and self.raw.put(alias_row(a), pack_alias(key, tokens), overwrite=False, db=db)]
+        if mine:
+            back = alias_back(key)
+            old = self.raw.get(back, db=db)
+            self.raw.put(back, (b"" if old is None else bytes(old)) + b"".join(mine), db=db)
+
+    def alias(self, alias: bytes) -> tuple[bytes, int] | None:
+        """The chunk key and token count an alias names (None: none, or a row this code
+        did not write)."""
+        if not self.index.has_aliases:
+            return None
+        raw = self.raw.get(alias_row(alias), db=self.index.aliases)
+        return None if raw is None else unpack_alias(raw, len(alias))
+
+    def forget_aliases(self, key: bytes) -> int:
+        """Drop every alias of ``key`` (its chunk leaves the index); how many."""
+        if not self.index.has_aliases:
+            return 0
+        db = self.index.aliases
+        back = alias_back(key)
+        raw = self.raw.get(back, db=db)
+        if raw is None:
+            return 0
+        names = bytes(raw)
+        self.raw.delete(back, db=db)
+        n = len(key)
+        for i in range(0, len(names) - n + 1, n):
+            alias = names[i : i + n]
+            row = self.raw.get(alias_row(alias), db=db)
+            if row is not None and bytes(row[:n]) == key:
+                self.raw.delete(alias_row(alias), db=db)
+        return len(names) // n
+
+    def unindex_entry(self, key: bytes, e: Entry, keep_aliases: bool = False) -> bytes | None:
         """Remove ``key``'s entry ``e`` and uncount it; a sealed segment left with nothing
         live is forgotten and its file removed after commit. Returns the chunk's prefix id
-        (for a move, which indexes it again), if it had one."""
+        (for a move, which indexes it again), if it had one. Its aliases go with it, unless
+        ``keep_aliases`` (a move or a re-encoding, which indexes the same key again)."""
         self.raw.delete(key, db=self.index.chunks)
         prefix = self.forget_prefix(key)
+        if not keep_aliases:
+            self.forget_aliases(key)
         self.raw.delete(lru_key(e.tier, e.last_access, key), db=self.index.lru)
         self.raw.delete(loc_key(e.seg, e.off), db=self.index.locs)
         tname = TIER_NAMES[e.tier]
@@ -678,11 +726,12 @@ class Index:
         (self.keylabels, self.counts), self.has_counts = self._later_dbs(b"keylabels", b"counts")
         (self.announce,), self.has_announce = self._later_dbs(b"announce")
         (self.admission,), self.has_admission = self._later_dbs(b"admission")
+        (self.aliases,), self.has_aliases = self._later_dbs(b"aliases")
         self._dbs: dict[str, Any] = {
             "meta": self.meta, "chunks": self.chunks, "lru": self.lru, "locs": self.locs, "segs": self.segs,
             "pins": self.pins, "labels": self.labels, "namespaces": self.ns, "prefixes": self.prefixes,
             "events": self.events, "keylabels": self.keylabels, "counts": self.counts,
-            "announce": self.announce, "admission": self.admission}
+            "announce": self.announce, "admission": self.admission, "aliases": self.aliases}
         assert tuple(self._dbs) == DB_NAMES
 
     def db(self, name: DbName) -> Any:

@@ -10,6 +10,9 @@ Scheme (see docs/architecture.md):
 * ``h0``              = sha256(b"lmctl/chain/v1\\0" + canonical)
 * ``h_i``             = sha256(h_{i-1} + tokens of chunk i as little-endian uint32)
 * chunk key           = ns_id (16 bytes) + h_i (32 bytes)
+* partial key         = ns_id + sha256(h_{i-1} + the first t tokens of chunk i), t a multiple
+  of the engine's block: the key of a request's partial last chunk (a "tail" record of t
+  tokens) and of an alias to the first t tokens of a full chunk's record (``boundary_keys``)
 
 The namespace id prefixes the key so that one namespace (model + format + adapter +
 salt) is one contiguous range of the index.
@@ -31,6 +34,9 @@ from typing import Any
 from .errors import StoreError
 
 DEFAULT_CHUNK_SIZE = 256
+#: the block (tokens) a lookup tries partial hits at when its caller names none: vLLM's
+#: block on GPUs; every larger block in use (32, 64, 128 on CPUs) is a multiple of it
+PARTIAL_BLOCK = 16
 LAYOUT_VERSION = 1
 NS_ID_BYTES = 16
 HASH_BYTES = 32
@@ -277,6 +283,50 @@ def chunk_keys(ns: Namespace, tokens: Sequence[int] | Iterable[int]) -> list[byt
         h = hashlib.sha256(h + raw[i * step : (i + 1) * step]).digest()
         keys.append(prefix + h)
     return keys
+
+
+def chain_hash(ns: Namespace, keys: Sequence[bytes], chunk: int) -> bytes:
+    """The chain hash before chunk ``chunk`` (``h_{chunk-1}``; ``h0`` for the first), from the
+    keys of the chunks before it (a key is ``ns_id`` + its chain hash)."""
+    return ns.root_hash if chunk == 0 else bytes(keys[chunk - 1][NS_ID_BYTES:])
+
+
+def boundary_keys(ns: Namespace, prev: bytes, tokens: Sequence[int], block: int) -> list[tuple[int, bytes]]:
+    """The key at every ``block`` boundary inside one chunk's ``tokens`` (at most a chunk of
+    them), as ``(tokens through the boundary, key)`` in token order: the prefix-chained hash
+    through that block, ``sha256(prev || tokens[:t])``. ``prev`` is the chain hash before the
+    chunk (``chain_hash``). At ``t`` = the chunk size it is the chunk's own key; below it, the
+    key of a partial chunk (a request's tail) or an alias of a full chunk's leading blocks."""
+    if block <= 0:
+        raise StoreError(f"block size must be positive, not {block}")
+    n = min(len(tokens), ns.kv_format.chunk_size) // block
+    if n == 0:
+        return []
+    raw = _token_bytes(tokens[: n * block])
+    step = block * 4
+    h = hashlib.sha256(prev)
+    out = []
+    for i in range(n):
+        h.update(raw[i * step : (i + 1) * step])
+        out.append(((i + 1) * block, ns.ns_id + h.copy().digest()))
+    return out
+
+
+def record_key(ns: Namespace, keys: Sequence[bytes], tokens: Sequence[int], chunk: int, block: int,
+               n: int | None = None) -> tuple[bytes, list[tuple[bytes, int]]]:
+    r"""The key of a record of chunk ``chunk``'s first ``n`` tokens (default: the whole chunk;
+    fewer: a request's tail, whole ``block``\ s), and its aliases: the partial keys at the block
+    boundaries inside it with their token counts (``PutItem.aliases``). ``keys``: the full
+    chunks' keys of ``tokens`` (``chunk_keys``), of which the chunks before ``chunk`` count."""
+    cs = ns.kv_format.chunk_size
+    n = cs if n is None else n
+    if not 0 < n <= cs or n % block or (n < cs and cs % block) or len(tokens) < chunk * cs + n:
+        raise StoreError(f"a record of chunk {chunk} holds whole blocks of {block} tokens, up to a chunk of {cs}, "
+                         f"of the {len(tokens)} given; not {n}")
+    inner = boundary_keys(ns, chain_hash(ns, keys, chunk), tokens[chunk * cs : chunk * cs + n], block)
+    if n == cs and n % block:  # a chunk that is not whole blocks: its own key, no aliases
+        return chunk_keys(ns, tokens[: (chunk + 1) * cs])[-1], []
+    return inner[-1][1], [(k, t) for t, k in inner[:-1]]
 
 
 def prefix_ids(tokens: Sequence[int], chunk_size: int, secret: bytes, limit: int | None = None) -> list[bytes]:

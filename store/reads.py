@@ -37,12 +37,12 @@ from .index import (
     trailer_mismatch,
     unpack_counts,
 )
-from .keys import DTYPE_SIZES, Namespace, NamespaceRecord, short_key
+from .keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, NamespaceRecord, boundary_keys, chain_hash, short_key
 from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
 from .schema import COUNT_LABEL, COUNT_LABEL_KEYS, COUNT_NS
 from .segment import CorruptRecord, RecordTrailer, SegmentGone
 from .space import TierState
-from .types import Chunk, ChunkInfo, Counts, LookupResult, StoreCounts
+from .types import Chunk, ChunkInfo, Counts, LookupResult, PartialHit, StoreCounts
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -76,6 +76,16 @@ def length_problem(e: Entry, expect: int | None, limit: int) -> str | None:
     if e.stored_len > max_encoded(e.codec, e.raw_len):
         return f"its index entry claims {e.stored_len} stored bytes for {e.raw_len} raw bytes"
     return None
+
+
+def expects(expect: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    """The exact raw length wanted of each of ``n`` chunks: one for all, or one each."""
+    if expect is None or isinstance(expect, int):
+        return [expect] * n
+    wants = list(expect)
+    if len(wants) != n:
+        raise StoreError(f"{n} keys but {len(wants)} expected lengths")
+    return wants
 
 
 def agrees(key: bytes, e: Entry, trailer: RecordTrailer | None) -> None:
@@ -146,9 +156,55 @@ class Reads:
             return self.locate(keys, again=False)
         return out
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
+    def lookup(self, ns: Namespace, tokens: Sequence[int], block: int | None = None,
+               again: bool = True) -> LookupResult:
+        """See ``Store.lookup``: the full chunks' tiers and, after the last stored one, the
+        longest partial hit at a ``block`` boundary, in one read transaction."""
         keys = ns.chunk_keys(tokens)
-        return LookupResult(len(tokens), ns.kv_format.chunk_size, keys, self.locate(keys))
+        cs = ns.kv_format.chunk_size
+        found = LookupResult(len(tokens), cs, keys, [])
+        try:
+            with self.index.read() as t:
+                for k in keys:
+                    raw = t.entry_raw(k)
+                    found.tiers.append(None if raw is None else TIER_NAMES.get(raw[ENTRY_TIER_OFFSET]))
+                if block is not None and 0 < block < cs:
+                    found.partial = self._partial(t, ns, tokens, keys, found.hit_chunks, block)
+        except IndexReopened:
+            if not again:
+                raise
+            return self.lookup(ns, tokens, block, again=False)
+        return found
+
+    @staticmethod
+    def _partial(t: Txn, ns: Namespace, tokens: Sequence[int], keys: list[bytes], c: int,
+                 block: int) -> PartialHit | None:
+        """The longest leading part of chunk ``c`` that a record holds: a tail record under
+        the partial key itself, or a full chunk's record through an alias. Whatever the index
+        says is checked: the namespace, the token counts, the target's entry."""
+        cs = ns.kv_format.chunk_size
+        cands = boundary_keys(ns, chain_hash(ns, keys, c), tokens[c * cs : (c + 1) * cs], block)
+        for n, k in reversed(cands):
+            if n >= cs:
+                continue  # the full chunk's own key, which missed
+            raw = t.entry_raw(k)
+            if raw is not None:
+                e = Entry.read(raw)
+                tier = None if e is None else TIER_NAMES.get(e.tier)
+                if e is not None and tier is not None and e.tokens == n:
+                    return PartialHit(c, k, n, n, tier)
+            got = t.alias(k)
+            if got is None:
+                continue
+            target, tok = got
+            if tok != n or target[:NS_ID_BYTES] != k[:NS_ID_BYTES]:
+                continue  # not an alias this store wrote for these tokens
+            raw = t.entry_raw(target)
+            e = None if raw is None else Entry.read(raw)
+            tier = None if e is None else TIER_NAMES.get(e.tier)
+            if e is not None and tier is not None and n < e.tokens <= cs:
+                return PartialHit(c, target, n, e.tokens, tier, alias=k)
+        return None
 
     def coldest(self, tier: int, before: float, codec: int, limit: int) -> list[bytes]:
         """Up to ``limit`` chunks of ``tier`` in codec ``codec`` last read before ``before``,
@@ -294,7 +350,7 @@ class Reads:
         return None if got is None else got[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], touch: bool = True,
-                      expect: int | None = None) -> list[ChunkInfo | None]:
+                      expect: int | Sequence[int | None] | None = None) -> list[ChunkInfo | None]:
         """``get_into`` of each key into its buffer, the records read together: one read
         transaction finds them all, and every raw record that a page-aligned buffer can take
         whole is read in one request, several in flight on its tier's I/O threads, and
@@ -303,6 +359,7 @@ class Reads:
         verifies, counts and drops exactly as a single read does. The buffers must be
         distinct."""
         n = len(keys)
+        wants = expects(expect, n)
         out: list[ChunkInfo | None] = [None] * n
         entries: list[Entry | None] = [None] * n
         try:
@@ -318,7 +375,7 @@ class Reads:
             pass  # every key takes the single path, which looks it up again
         fast: list[tuple[int, TierState, Entry]] = []
         for i, e in enumerate(entries):
-            if e is None or e.codec != 0 or length_problem(e, expect, len(outs[i])) is not None:
+            if e is None or e.codec != 0 or length_problem(e, wants[i], len(outs[i])) is not None:
                 continue
             st = self.tiers.get(e.tier_name)
             if st is not None and st.io.whole_read_fits(e.stored_len, outs[i]):
@@ -342,7 +399,7 @@ class Reads:
             out[i] = chunk_info(keys[i], e, 0)
         for i in range(n):
             if out[i] is None:
-                got = self._read(keys[i], outs[i], touch, expect, len(outs[i]))
+                got = self._read(keys[i], outs[i], touch, wants[i], len(outs[i]))
                 out[i] = None if got is None else got[0]
         return out
 

@@ -49,9 +49,9 @@ from typing import Literal
 
 #: the sub-databases (``prefixes``/``events`` and ``keylabels``/``counts`` came after format 1)
 DbName = Literal["meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces", "prefixes", "events",
-                 "keylabels", "counts", "announce", "admission"]
+                 "keylabels", "counts", "announce", "admission", "aliases"]
 DB_NAMES: tuple[DbName, ...] = ("meta", "chunks", "lru", "locs", "segs", "pins", "labels", "namespaces",
-                                "prefixes", "events", "keylabels", "counts", "announce", "admission")
+                                "prefixes", "events", "keylabels", "counts", "announce", "admission", "aliases")
 
 # -- meta ----------------------------------------------------------------------------------
 META_CONFIG = b"config"  # the settings (StoreConfig JSON)
@@ -100,6 +100,35 @@ def label_key(label: bytes, key: bytes = b"") -> bytes:
 
 def keylabel_key(key: bytes, label: bytes = b"") -> bytes:
     return key + label
+
+
+# -- aliases -------------------------------------------------------------------------------
+ALIAS_ROW = b"a"
+ALIAS_BACK = b"b"
+_ALIAS = struct.Struct("<I")
+
+
+def alias_row(alias: bytes) -> bytes:
+    """An ``aliases`` row: a partial key (``keys.boundary_keys``) -> the key of the chunk whose
+    record holds those tokens first, and how many tokens (``pack_alias``)."""
+    return ALIAS_ROW + alias
+
+
+def alias_back(key: bytes) -> bytes:
+    """The ``aliases`` row that names every alias of ``key`` (their keys, one after another),
+    so that the aliases go with the chunk."""
+    return ALIAS_BACK + key
+
+
+def pack_alias(key: bytes, tokens: int) -> bytes:
+    return key + _ALIAS.pack(tokens)
+
+
+def unpack_alias(raw: bytes | memoryview, key_bytes: int) -> tuple[bytes, int] | None:
+    """The target key and token count of an ``aliases`` row (None: not one this code wrote)."""
+    if len(raw) != key_bytes + _ALIAS.size:
+        return None
+    return bytes(raw[:key_bytes]), int(_ALIAS.unpack(bytes(raw[key_bytes:]))[0])
 
 
 # -- prefixes ------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .explain import explain_miss
 from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
 from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .journal import MetaJournal, replay
-from .keys import KEY_BYTES, Namespace, NamespaceRecord, prefix_ids, short_key
+from .keys import KEY_BYTES, PARTIAL_BLOCK, Namespace, NamespaceRecord, prefix_ids, short_key
 from .metrics import Cell, Gauge, Meter
 from .namespaces import Namespaces
 from .pins import Pins
@@ -64,7 +64,7 @@ from .private import (
     tighten,
     write_marker,
 )
-from .reads import Reads
+from .reads import Reads, expects
 from .recovery import Recovery
 from .schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
 from .segment import REC_FIXED, TRAILER_BLOCK, SegmentIO
@@ -861,13 +861,19 @@ class Store:
             return tiers, 0
         return sharing.locate_checked(keys, tiers)
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int], remote: bool = True) -> LookupResult:
+    def lookup(self, ns: Namespace, tokens: Sequence[int], remote: bool = True, *,
+               block: int | None = PARTIAL_BLOCK) -> LookupResult:
         """Longest stored prefix of ``tokens`` in namespace ``ns``: the local index, then (with
-        a remote tier) the remote tier for the chunks after the local prefix."""
-        found = self._reads.lookup(ns, tokens)
+        a remote tier) the remote tier for the chunks after the local prefix.
+
+        ``block``: the granularity, in tokens, at which the chunk after the stored full
+        chunks is looked up for a partial hit (a request's tail record, or the leading
+        blocks of a full chunk through an alias): ``LookupResult.partial``. An engine gives
+        its block size; None looks up full chunks only. All in one index transaction."""
+        found = self._reads.lookup(ns, tokens, block)
         sharing = self._sharing
         if remote and sharing is not None and found.hit_chunks < len(found.keys):
-            found.tiers = sharing.locate(found.keys, found.tiers)
+            found.set_tiers(sharing.locate(found.keys, found.tiers))
         return found
 
     def get(self, key: bytes, touch: bool = True, *, expect: int | None = None) -> Chunk | None:
@@ -928,21 +934,23 @@ class Store:
         return info
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], touch: bool = True, *,
-                      expect: int | None = None) -> list[ChunkInfo | None]:
+                      expect: int | Sequence[int | None] | None = None) -> list[ChunkInfo | None]:
         """``get_into`` of each key into its own buffer (distinct, writable), read together:
         one index lookup, and the raw records of page-aligned buffers read whole, several in
         flight (the disk's best pattern; see docs/performance.md). Each result is what
         ``get_into`` of that key would return: its metadata, or None on a miss (its buffer
         may then hold garbage), with the same checks, counts and drops. An engine loading a
-        request's chunks passes them all here and uses the hits up to the first miss."""
+        request's chunks passes them all here and uses the hits up to the first miss.
+        ``expect``: one length for every chunk, or one per chunk (a partial chunk is shorter)."""
         views = [memoryview(o).cast("B") for o in outs]
         if len(views) != len(keys):
             raise StoreError(f"get_many_into: {len(keys)} keys but {len(views)} buffers")
-        for v in views:
-            if expect is not None and expect > len(v):
-                raise StoreError(f"get_many_into: a buffer of {len(v)} bytes cannot take the {expect} expected")
+        wants = expects(expect, len(keys))
+        for v, want in zip(views, wants, strict=True):
+            if want is not None and want > len(v):
+                raise StoreError(f"get_many_into: a buffer of {len(v)} bytes cannot take the {want} expected")
         t0 = self.clock.monotonic()
-        infos = self._reads.get_many_into(keys, views, touch, expect)
+        infos = self._reads.get_many_into(keys, views, touch, wants)
         if not touch:
             return infos
         sharing = self._sharing
@@ -951,7 +959,7 @@ class Store:
             if info is not None and info.tier != "dram" and self.config.default_tier == "dram":
                 self._promote(keys[i])
             if info is None and sharing is not None:
-                got = sharing.fetch_into(keys[i], views[i], expect=expect, limit=len(views[i]))
+                got = sharing.fetch_into(keys[i], views[i], expect=wants[i], limit=len(views[i]))
                 info = infos[i] = None if got is None else got[0]
             if info is not None:
                 m.inc("loads_total", 1, tier=info.tier)
@@ -1383,6 +1391,15 @@ def _check_put(it: PutItem) -> None:
         raise StoreError(f"{what}: its layout must be a dict whose dtype is a name (such as 'bfloat16')")
     if it.prefix is not None and (not isinstance(it.prefix, bytes) or len(it.prefix) != 16):
         raise StoreError(f"{what}: a token prefix id is 16 bytes (one of Store.prefix_ids)")
+    if it.aliases is not None:
+        if not isinstance(it.aliases, list) or len(it.aliases) > 4096:
+            raise StoreError(f"{what}: aliases must be a list of at most 4096 (key, tokens) pairs")
+        for a in it.aliases:
+            if (not isinstance(a, tuple) or len(a) != 2 or not isinstance(a[0], bytes) or len(a[0]) != KEY_BYTES
+                    or a[0][:16] != it.key[:16] or isinstance(a[1], bool) or not isinstance(a[1], int)
+                    or not 0 < a[1] < it.tokens):
+                raise StoreError(f"{what}: an alias is a (key of the chunk's own namespace, tokens from 1 to "
+                                 f"the chunk's {it.tokens} - 1) pair")
     if it.codec is not None and not isinstance(it.codec, str):
         raise StoreError(f"{what}: codec must be a codec's name, not {type(it.codec).__name__}")
     try:

@@ -39,6 +39,9 @@ class PutItem:
     codec: str | None = None
     prefix: bytes | None = None
     origin: Origin | None = None
+    #: other keys that find the leading tokens of this record: (partial key, tokens), made by
+    #: ``keys.boundary_keys`` at the engine's block boundaries inside the chunk
+    aliases: list[tuple[bytes, int]] | None = None
 
 
 @dataclass
@@ -76,14 +79,38 @@ class ChunkInfo:
 
 
 @dataclass
+class PartialHit:
+    """The leading ``tokens`` of chunk ``chunk`` (the first chunk not stored whole), found at
+    a block boundary inside it: in the record of ``key``, which holds ``record_tokens``
+    tokens, in ``tier``. ``alias``: the partial key that named a full chunk's record (None:
+    ``key`` is itself the partial key, a request's tail record of exactly ``tokens``)."""
+
+    chunk: int
+    key: bytes
+    tokens: int
+    record_tokens: int
+    tier: str
+    alias: bytes | None = None
+
+
+@dataclass
 class LookupResult:
     """The longest stored prefix of a token sequence: ``hit_tokens`` of ``total_tokens``,
-    with every chunk's key and the tier that holds it (None where it is not stored)."""
+    with every chunk's key and the tier that holds it (None where it is not stored), and the
+    leading blocks of the next chunk where a partial record or an alias holds them."""
 
     total_tokens: int
     chunk_size: int
     keys: list[bytes]
     tiers: list[str | None]
+    partial: PartialHit | None = None
+
+    def set_tiers(self, tiers: list[str | None]) -> None:
+        """New tiers (the remote tier's answer): a partial hit stands only where it still
+        follows the stored chunks."""
+        self.tiers = tiers
+        if self.partial is not None and self.partial.chunk != self.hit_chunks:
+            self.partial = None
 
     @property
     def hit_chunks(self) -> int:
@@ -97,7 +124,9 @@ class LookupResult:
 
     @property
     def hit_tokens(self) -> int:
-        return self.hit_chunks * self.chunk_size
+        n = self.hit_chunks
+        extra = self.partial.tokens if self.partial is not None and self.partial.chunk == n else 0
+        return n * self.chunk_size + extra
 
 
 @dataclass

@@ -198,8 +198,11 @@ class Writes:
                             # stored, or re-encoded or moved to another tier meanwhile by another
                             # writer: ours is dead space. (Compaction moving the same record to
                             # another segment changes nothing this rewrite relies on.)
+                            if p.item.aliases and old is None:
+                                t.add_aliases(key, p.item.aliases)  # the same record, found by more keys
                             continue
-                        prefix = t.unindex_entry(key, e_cur) or prefix
+                        # a move or re-encoding: the same tokens, so the same aliases
+                        prefix = t.unindex_entry(key, e_cur, keep_aliases=True) or prefix
                         created, last, hits = e_cur.created, e_cur.last_access, e_cur.hits
                         origin = origin_of(e_cur)  # a move or re-encoding keeps where the chunk came from
                     e = Entry(seg, off, p.rec_len, p.stored_len, len(p.raw), csum,
@@ -207,6 +210,8 @@ class Writes:
                               0 if p.codec == 0 else (codec.level if level is None else level),
                               ORIGIN_LOCAL if origin is None else ORIGIN_REMOTE, 0 if origin is None else origin.writer)
                     t.index_entry(key, e, prefix)
+                    if p.item.aliases:
+                        t.add_aliases(key, p.item.aliases)
                     results[i] = True
                     payload += e.stored_len
                 t.add("written_bytes", written)

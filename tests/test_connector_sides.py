@@ -342,12 +342,13 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
         caches = kv_caches()
         work.register_kv_caches(caches)
 
-        # first request: a miss; its two full chunks are saved from blocks 0-3
+        # first request: a miss; its two full chunks are saved from blocks 0-3, and its
+        # 16-token tail (one whole block) from block 4, as a record of 16 tokens
         assert sched.get_num_new_matched_tokens(request("r1"), 0) == (0, False)
         sched.update_state_after_alloc(request("r1"), None, 0)  # type: ignore[arg-type]
         meta = sched.build_connector_meta(step("r1", [0, 1, 2, 3, 4], 0, 80))  # type: ignore[arg-type]
         assert isinstance(meta, LMCtlMetadata) and meta.loads == []
-        assert [op.blocks for op in meta.saves] == [[0, 1], [2, 3]]
+        assert [(op.blocks, op.tokens) for op in meta.saves] == [([0, 1], None), ([2, 3], None), ([4], 16)]
         work.bind_connector_metadata(meta)
         work.start_load_kv(None)  # type: ignore[arg-type]
         work.wait_for_save()
@@ -384,7 +385,7 @@ def test_each_role_builds_only_its_side_and_the_metadata_carries_the_plan(tmp_pa
 
         s, w = sched.stats(), work.stats()
         assert (s["lookups"], s["hit_tokens"], s["loaded_chunks"], "writer" in s) == (2, 64, 0, False)
-        assert (w["lookups"], w["loaded_chunks"], w["failed_loads"], w["writer"]["saved"]) == (0, 2, 0, 2)
+        assert (w["lookups"], w["loaded_chunks"], w["failed_loads"], w["writer"]["saved"]) == (0, 2, 0, 3)
         assert sched.request_finished(request("r2"), []) == (False, None)
     finally:
         store = sched.store

@@ -345,7 +345,8 @@ def test_both_sides_report_through_the_connector_and_add_up(tmp_path: Path) -> N
         assert isinstance(worker_stats, LMCtlStats) and isinstance(sched_stats, LMCtlStats)
         total = worker_stats.aggregate(sched_stats)
         c = total.data["counters"]
-        assert c["lookups"] == {"": 2} and c["saved_chunks"] == {"": 2} and c["loaded_chunks"] == {"nvme": 2}
+        # saved: the prompt's two full chunks and its 16-token tail (a record of one block)
+        assert c["lookups"] == {"": 2} and c["saved_chunks"] == {"": 3} and c["loaded_chunks"] == {"nvme": 2}
         assert total.reduce()["loaded_bytes"] == 2 * CHUNK
         # the API server rebuilds it from the plain dict it was sent
         rebuilt = LMCtlConnector.build_kv_connector_stats(total.to_dict())

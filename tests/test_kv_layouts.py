@@ -225,3 +225,38 @@ def test_the_gpu_check_and_its_benchmark_run_here_as_far_as_a_cpu_lets_them(tmp_
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "mla_bf16      LBNHC" in r.stdout and "goal save and load >= 0.8x the copy" in r.stdout
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["row-copies", "indexed-copies"])
+def test_a_tail_of_fewer_blocks_than_a_chunk_gathers_and_scatters_bit_exact(vectorized: bool) -> None:
+    """A request's tail record: two blocks of a four-block chunk, in the canonical layout with
+    fewer tokens (``chunk_tensor(buf, fmt, tokens)``), gathered and scattered by both copy
+    paths (the accelerator's indexed copies use a full chunk's device buffer, of which the
+    tail takes the first tokens), then into the second half of other blocks untouched."""
+    from engine_hook.transfer import chunk_nbytes, chunk_tensor
+
+    spec = SPECS["gqa-bf16"]()
+    fmt = kv_format_of_spec(spec, LAYERS, 1, 0, CHUNK)
+    src = engine_caches(spec, LAYOUTS[0], None)
+    dst = engine_caches(spec, LAYOUTS[0], None)
+    assert src is not None and dst is not None
+    fill(src, seed=5)
+    fill(dst, seed=6)
+    before = [bits(d).clone() for d in dst]
+    pa, pb = PagedKV(src, fmt, BLOCK), PagedKV(dst, fmt, BLOCK)
+    pa.vectorized = pb.vectorized = vectorized
+    buf = torch.zeros(fmt.chunk_bytes, dtype=torch.uint8)
+    for _ in range(2):  # the second time a full chunk's gather has used the device buffer first
+        tail = chunk_tensor(buf, fmt, 2 * BLOCK)
+        assert tail.shape[2] == 2 * BLOCK and tail.numel() * tail.element_size() == chunk_nbytes(fmt, 2 * BLOCK)
+        pa.gather([7, 3], tail)
+        for layer in range(LAYERS):
+            assert torch.equal(bits(tail[layer]), bits(canonical(src[layer], [7, 3], fmt)))
+        pa.gather([1, 2, 4, 5], chunk_tensor(buf, fmt))  # a full chunk between two tails
+        pa.gather([7, 3], tail)
+    pb.scatter(tail, [9, None])
+    for layer in range(LAYERS):
+        assert torch.equal(bits(canonical(dst[layer], [9], fmt)), bits(canonical(src[layer], [7], fmt)))
+        others = [x for x in range(NUM_BLOCKS) if x != 9]
+        assert torch.equal(bits(canonical(dst[layer], others, fmt)),
+                           bits(canonical(before[layer].view(dst[layer].dtype), others, fmt)))

@@ -43,6 +43,12 @@ P = prompt(1, 600)   # two full chunks + 88 tokens
 Q = prompt(2, 600)
 R = prompt(3, 512)   # exactly two chunks: a full hit
 S = prompt(4, 700)
+# issue 23's workload: fixed prefixes shorter than a chunk, or not a whole number of chunks,
+# each followed by one of two questions
+G1 = prompt(11, 250) + prompt(12, 20)
+G2 = prompt(11, 250) + prompt(13, 23)
+G3 = prompt(14, 400) + prompt(12, 20)
+G4 = prompt(14, 400) + prompt(13, 23)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +106,9 @@ class LmctlDaemon(Daemon):
 
 
 CASES = [("P", None), ("P", "A"), ("P", "B"), ("P", "A2"), ("Q", None), ("Q", "A"), ("Q", "B"),
-         ("R", "A"), ("S", None)]
-PROMPTS = {"P": P, "Q": Q, "R": R, "S": S}
+         ("R", "A"), ("S", None), ("G1", "A"), ("G2", "A"), ("G2", None), ("G2", "B"), ("G3", None),
+         ("G4", None)]
+PROMPTS = {"P": P, "Q": Q, "R": R, "S": S, "G1": G1, "G2": G2, "G3": G3, "G4": G4}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +180,8 @@ def test_changed_adapter_weights_under_the_same_name_miss(engine: Engine, refere
 def test_cache_salt_isolates_tenants(engine: Engine, reference: dict) -> None:
     want = reference[("S", None)]
     assert engine.run(S, salt="tenant-1") == (want, 0)
-    assert engine.run(S, salt="tenant-1") == (want, 512)
+    # both full chunks and the tail's whole block (700 tokens: 512 + 188, of which 128 are a block)
+    assert engine.run(S, salt="tenant-1") == (want, 640)
     assert engine.run(S, salt="tenant-2") == (want, 0)
     assert engine.run(S) == (want, 0)
 
@@ -232,14 +240,17 @@ def test_cli_turns_documents_into_the_engine_keys(engine: Engine, tmp_path: Path
     assert text_tokens >= 512 and chat_tokens >= 256
 
     assert engine.store_path is not None
+    bs = next(iter(engine.store.namespaces().values()))["info"]["block_size"]
     cli = LmctlDaemon(engine.store_path, tmp_path / "d.sock")
     try:
+        # the full chunks, then the tail's whole blocks (a record of its own)
         r = cli("lookup", "--model", model, "--text", text)
-        assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // 256 * 256
+        assert r["total_tokens"] == text_tokens and r["hit_tokens"] == text_tokens // bs * bs
+        assert r["hit_chunks"] == text_tokens // 256
         mfile = tmp_path / "msgs.json"
         mfile.write_text(json.dumps(msgs))
         r = cli("lookup", "--model", model, "--messages", str(mfile))
-        assert r["total_tokens"] == chat_tokens and r["hit_tokens"] == chat_tokens // 256 * 256
+        assert r["total_tokens"] == chat_tokens and r["hit_tokens"] == chat_tokens // bs * bs
         assert cli("lookup", "--model", model, "--adapter", "a", "--text", text)["hit_tokens"] == 0
         # pin a document before it is ever served; serving it then fills the pinned chunks
         fresh = sample_text(300, seed=7)
@@ -258,6 +269,22 @@ def test_a_restarted_engine_hits_the_same_store(engine: Engine, reference: dict)
     engine.restart()
     assert engine.run(P, "A") == (reference[("P", "A")], 512)
     assert engine.run(Q, "B") == (reference[("Q", "B")], 512)
+
+
+def test_a_short_prefix_with_another_question_hits_after_a_restart(engine: Engine, reference: dict) -> None:
+    """A 250-token prefix shorter than a chunk: the first request (prefix + question 1) saves
+    the chunk that spans prefix and question; after a restart, the prefix with question 2
+    loads its first block (128 tokens on CPU) through the chunk's alias, for the adapter that
+    saved it only. A 400-token prefix: the first request's tail (one whole block after the
+    full chunk) is a record of its own, which the second request loads after the chunk."""
+    assert engine.run(G1, "A") == (reference[("G1", "A")], 0)
+    assert engine.run(G3) == (reference[("G3", None)], 0)
+    engine.restart()
+    assert engine.run(G2, "A") == (reference[("G2", "A")], 128)
+    assert engine.run(G2) == (reference[("G2", None)], 0)  # the base model never meets the adapter's
+    assert engine.run(G2, "B") == (reference[("G2", "B")], 0)  # nor does another adapter
+    assert engine.run(G4) == (reference[("G4", None)], 384)  # a full chunk and the tail's block
+    assert engine.connector().stats()["failed_loads"] == 0
 
 
 def test_store_fills_in_beyond_vllms_own_prefix_cache(engine: Engine, reference: dict) -> None:

@@ -93,17 +93,23 @@ def _show_lookup(term: Terminal, r: dict[str, Any]) -> None:
     from rich.text import Text
 
     n, size, total = len(r["chunks"]), r.get("chunk_size"), r.get("total_tokens") or 0
-    short = n == 0 and total > 0  # a document shorter than one chunk
+    part = r.get("partial")
+    short = n == 0 and total > 0 and not part  # a document shorter than one chunk, none of it stored
     if short:
         term.say(f"the document's {total} token(s) are less than one chunk of {size}: nothing of it is stored "
-                 "(partial chunks never are; the engine always computes them)")
+                 "(an engine stores a request's partial last chunk in whole blocks; none of these)")
     elif total:
         pct = 100 * r["hit_tokens"] / total
         tail = total - n * size if size else 0
+        held = (f", and the first {part['tokens']} tokens of chunk {part['chunk']} ({part['tier']}, "
+                + ("a request's tail record" if part["via"] == "tail" else
+                   f"the first blocks of a record of {part['record_tokens']} tokens") + ")"
+                if part else "")
         term.say(f"{r['hit_tokens']} of {total} tokens cached ({pct:.0f}%), {r['hit_chunks']} of {n} full chunks"
+                 + held
                  + (f"; first miss at token {r['first_miss']}" if r.get("first_miss") is not None
                     and r["hit_chunks"] < n else "")
-                 + (f"; the last {tail} token(s) are less than a chunk (never stored)" if tail > 0 else ""))
+                 + (f"; the last {tail} token(s) are less than a chunk" if tail > 0 and not part else ""))
     ns = r.get("namespace")
     if ns:
         fp = ns.get("model_fingerprint")

@@ -55,12 +55,14 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
             ex = store.explain(ns, sel.token_ids, found)
             why = None if ex is None else ex.to_dict()
         keys, tiers, total = found.keys, found.tiers, found.total_tokens
+        partial = found.partial
         size: int | None = found.chunk_size
         namespace: dict[str, Any] | None = _ns_json(store, ns)
     else:
         # chunks by key or filter: taken as a chain in the order given (a document's keys)
         keys = list(dict.fromkeys(sel.keys))
         tiers = store.locate(keys)
+        partial = None
         rec = {r.nid: r for r in recorded_namespaces(store)}
         first = rec.get(keys[0][:16]) if keys else None
         namespace = None if first is None else _ns_json(store, first.ns, first)
@@ -75,8 +77,14 @@ def op_lookup(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
         assert t is not None
         per_tier[t] = per_tier.get(t, 0) + 1
     hit_tokens = hit * size if size else 0
+    part: dict[str, Any] | None = None
+    if partial is not None and partial.chunk == hit:  # the next chunk's leading blocks
+        hit_tokens += partial.tokens
+        part = {"chunk": partial.chunk, "tokens": partial.tokens, "tier": partial.tier, "key": partial.key.hex(),
+                "record_tokens": partial.record_tokens, "via": "tail" if partial.alias is None else "alias"}
     out: dict[str, Any] = {
         "total_tokens": total, "hit_tokens": hit_tokens, "hit_chunks": hit, "chunk_size": size,
+        "partial": part,
         "first_miss": hit_tokens if hit < len(keys) else None,  # null: every full chunk hits
         "tiers": per_tier, "namespace": namespace,
         "chunks": [{"index": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
