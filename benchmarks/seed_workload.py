@@ -24,12 +24,17 @@ Cases, each with lmctl and without it (vLLM alone):
 Without lmctl, (a) and (b) are the same thing: a fresh engine with an empty prefix cache; one
 such engine per round is the baseline of both. Each round starts the three engines (vLLM
 alone, lmctl after a restart, lmctl on a second instance) in a rotated order, so that the
-machine's drift meets every case alike; (c) runs on the first two engines after (a). Every
-engine is first warmed up with short unrelated prompts on the base model and the adapter (so
-loading the adapter is in no timing). TTFT is the time from adding a request to the engine
-step that returns its first token (the engine's own step loop, as a streaming server sees
-it). Cached tokens are vLLM's ``num_cached_tokens`` (its own prefix cache and lmctl's
-loads together).
+machine's drift meets every case alike; (c) runs on vLLM alone's and the restarted engine
+after (a). The engines differ only in the connector: vLLM alone runs with its hybrid KV
+cache manager off, as vLLM itself runs an engine with a connector (this full-attention
+model gives the manager nothing to do). Every engine is first warmed up with a prompt as
+long as a planner's, new to it and unrelated to the prefixes, on the base model and on the
+adapter: a fresh engine's first long steps and the adapter's load are in no timing. Every
+request asks a new question, all of the same length, and no two start alike, so that no
+cache can hold a block or chunk of a question. TTFT is the time from adding a request to
+the engine step that returns its first token (the engine's own step loop, as a streaming
+server sees it). Cached tokens are vLLM's ``num_cached_tokens`` (its own prefix cache and
+lmctl's loads together).
 
 Goals (issue 23): (a) and (b): planner and generator TTFT each at least 50% lower with lmctl
 than without (ratio <= 0.5); (c): throughput with lmctl >= 0.97x vLLM alone. Ratios are
@@ -351,6 +356,7 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct float32", "adapter": ADAPTER, "rounds": rounds, "quick": args.quick,
         "users": args.users, "pipelines_per_user": pipelines,
         "prefix_tokens": {"planner": planner_fixed, "generator": generator_fixed},
+        "prompt_tokens": {"planner": planner_fixed + QUESTION_TOKENS, "generator": generator_fixed + QUESTION_TOKENS},
         "connector_settings": extra, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     t_start = time.perf_counter()
     try:
@@ -361,8 +367,10 @@ def main() -> None:
 
         def engine(mode: str, r: int) -> Engine:
             store = {"vllm": None, "restart": tmp / "instance-1", "second": tmp / f"instance-2-round-{r}"}[mode]
+            # vLLM turns its hybrid KV cache manager off whenever a connector is configured;
+            # off in vLLM alone too, so that the connector is the engines' only difference
             return Engine(model, store, max_model_len=max_len, lora=True, prefix_caching=True,
-                          connector=None if store is None else remote)
+                          connector=None if store is None else remote, disable_hybrid_kv_cache_manager=True)
 
         # the first instance computes both prefixes once: its local store and Redis hold them
         eng = engine("restart", -1)
@@ -422,7 +430,9 @@ def main() -> None:
                               "cached_tokens": int(statistics.median(d.cached_tokens for d in on)),
                               "prompt_tokens": int(statistics.median(d.prompt_tokens for d in on))},
                     "ratio": summary(ratios), "goal": "<= 0.5",
-                    "met": statistics.median(ratios) <= 0.5}
+                    # a gain without a token from lmctl is the machine's noise, not lmctl's
+                    "met": statistics.median(ratios) <= 0.5 and statistics.median(d.cached_tokens for d in on)
+                    > statistics.median(d.cached_tokens for d in off)}
         tp = [b["req_per_s"] / a["req_per_s"] for a, b in zip(steady["vllm"], steady["restart"], strict=True)]
         cases["steady"] = {
             mode: {k: summary([s[k] for s in steady[mode]]) for k in steady[mode][0]} for mode in steady}
@@ -444,9 +454,9 @@ def main() -> None:
 
 def table(res: dict[str, Any]) -> str:
     """The short table of (a), (b) and (c) that the README's demo section shows."""
-    e, p = res["engine"], res["prefix_tokens"]
-    lines = [f"seed workload: planner on the base model (fixed prefix {p['planner']} tokens), generator on LoRA "
-             f"{res['adapter']} ({p['generator']} tokens)",
+    e, p, n = res["engine"], res["prefix_tokens"], res["prompt_tokens"]
+    lines = [f"seed workload: planner on the base model (fixed prefix {p['planner']} of {n['planner']} tokens), "
+             f"generator on LoRA {res['adapter']} ({p['generator']} of {n['generator']})",
              f"vLLM prefix cache on; engine block {e['block_size']} tokens, lmctl chunk {e['chunk_size']} tokens; "
              f"{res['rounds']} round(s), load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
              "TTFT median [min-max] (cached tokens)",
@@ -459,8 +469,11 @@ def table(res: dict[str, Any]) -> str:
                 t = side["ttft_s"]
                 return f"{t['median']:.2f}s [{t['min']:.2f}-{t['max']:.2f}] ({side['cached_tokens']})"
 
+            verdict = "met" if c["met"] else "NOT met"
+            if c["lmctl"]["cached_tokens"] <= c["vllm"]["cached_tokens"]:
+                verdict += " (lmctl cached nothing more)"
             lines.append(f"{name if i == 0 else '':24}{kind:10} {cell(c['vllm']):>24} {cell(c['lmctl']):>24}   "
-                         f"{c['ratio']['median']:10.2f}  <= 0.50 {'met' if c['met'] else 'NOT met'}")
+                         f"{c['ratio']['median']:10.2f}  <= 0.50 {verdict}")
     s = res["cases"]["steady"]
     lines.append(f"{'(c) ' + str(res['users']) + ' users, steady':24}{'req/s':10} "
                  f"{s['vllm']['req_per_s']['median']:>24.2f} {s['lmctl']['req_per_s']['median']:>24.2f}   "

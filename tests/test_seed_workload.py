@@ -39,7 +39,10 @@ def test_quick_run_caches_the_fixed_prefixes_after_a_restart_and_on_a_second_ins
             assert c["vllm"]["cached_tokens"] == 0, (case, kind, c)
             floor = prefix[kind] // chunk * chunk
             assert floor <= c["lmctl"]["cached_tokens"] < c["lmctl"]["prompt_tokens"], (case, kind, c)
+            assert c["lmctl"]["prompt_tokens"] == res["prompt_tokens"][kind] > prefix[kind]
             assert c["ratio"]["median"] > 0 and isinstance(c["met"], bool)
+            if c["lmctl"]["cached_tokens"] <= c["vllm"]["cached_tokens"]:
+                assert not c["met"]  # a gain without a token from lmctl is not lmctl's
         assert cases[case]["planner"]["lmctl"]["cached_tokens"] > 0  # the planner's prefix is over a chunk
     rnd = res["per_round"][0]
     assert rnd["order"] == ["vllm", "restart", "second"]
