@@ -1,0 +1,76 @@
+"""benchmarks/seed_workload.py as CI runs it: ``--quick`` end to end (real vLLM engines on the
+CPU with SmolLM2-135M and the LoRA adapter ``civil``, a real redis-server, real stores), and
+its bad input. Timings are not asserted (a shared CI machine); what lmctl must do is: the
+cached tokens of the first requests after a restart and on a second instance.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, env_with_path
+
+SCRIPT = str(ROOT / "benchmarks" / "seed_workload.py")
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env_with_path(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_quick_run_caches_the_fixed_prefixes_after_a_restart_and_on_a_second_instance() -> None:
+    r = _run("--quick", "--json", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    res = json.loads(r.stdout)  # stdout is the JSON alone: vLLM's logs go to stderr
+    block, chunk = res["engine"]["block_size"], res["engine"]["chunk_size"]
+    assert block > 0 and chunk % block == 0  # read from the running engine and connector
+    prefix = res["prefix_tokens"]
+    assert 330 <= prefix["planner"] <= 350 and 235 <= prefix["generator"] <= 250
+    cases = res["cases"]
+    for case in ("restart", "second_instance"):
+        for kind in ("planner", "generator"):
+            c = cases[case][kind]
+            # vLLM alone on a fresh engine has nothing; lmctl serves at least every full chunk
+            # of the fixed prefix (today 256 of the planner's, none of the generator's 250)
+            assert c["vllm"]["cached_tokens"] == 0, (case, kind, c)
+            floor = prefix[kind] // chunk * chunk
+            assert floor <= c["lmctl"]["cached_tokens"] < c["lmctl"]["prompt_tokens"], (case, kind, c)
+            assert c["lmctl"]["prompt_tokens"] == res["prompt_tokens"][kind] > prefix[kind]
+            assert c["ratio"]["median"] > 0 and isinstance(c["met"], bool)
+            if c["lmctl"]["cached_tokens"] <= c["vllm"]["cached_tokens"]:
+                assert not c["met"]  # a gain without a token from lmctl is not lmctl's
+        assert cases[case]["planner"]["lmctl"]["cached_tokens"] > 0  # the planner's prefix is over a chunk
+    rnd = res["per_round"][0]
+    assert rnd["order"] == ["vllm", "restart", "second"]
+    assert rnd["restart"]["connector"]["loaded_chunks"] >= 1  # from the local disk
+    assert rnd["second"]["connector"]["loaded_chunks"] >= 1   # from Redis: its own store started empty
+    assert rnd["restart"]["connector"]["load_failures"] == rnd["second"]["connector"]["load_failures"] == 0
+    steady = cases["steady"]
+    for side in ("vllm", "lmctl"):
+        assert steady[side]["requests"]["median"] == res["users"] * res["pipelines_per_user"] * 2
+        assert steady[side]["cached_fraction"]["median"] > 0.4  # vLLM's own prefix cache serves the prefixes
+    assert steady["ratio"]["median"] > 0
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from seed_workload import table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = table(res)
+    assert "(a) after a restart" in text and "(b) second instance" in text and "(c) 4 users, steady" in text
+    assert f"lmctl chunk {chunk} tokens" in text
+
+
+def test_bad_arguments_are_one_line_and_exit_2() -> None:
+    for args, says in ((["--set", "chunk_sise=128"], "unknown lmctl connector setting(s) chunk_sise"),
+                       (["--set", "chunk_size"], "write KEY=VALUE"),
+                       (["--set", "remote_url=redis://127.0.0.1:1/0"], "chooses store_path and the remote_*"),
+                       (["--rounds", "0"], "at least 1")):
+        r = _run(*args, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        assert says in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.stdout == ""
