@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from demo.models import smollm2  # noqa: E402
+from testsupport.connector import connector_config  # noqa: E402
+from testsupport.ports import free_port  # noqa: E402
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -53,9 +49,7 @@ class Server:
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
         if store is not None:
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "LMCtlConnector", "kv_connector_module_path": "engine_hook.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"store_path": str(store)}})]
+            cmd += ["--kv-transfer-config", json.dumps(connector_config(store))]
         env = {**os.environ, **ENV, "TMPDIR": str(work), "PYTHONPATH": str(ROOT)}
         self.log = open(work / f"server-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
