@@ -32,6 +32,7 @@ def run(*argv: str, stdin: str | None = None, env: Mapping[str, str] | None = No
     run it (no tty, no colour): its exit status and what it wrote to stdout and stderr, as a
     ``CompletedProcess``. ``env``: the whole environment of the command (as for a process: what
     is not in it is unset meanwhile); None keeps this process's."""
+    from typer._click import formatting  # typer's own click (typer >= 0.25 vendors it)
     from typer.testing import CliRunner
 
     from lmctl.cli import main
@@ -40,8 +41,13 @@ def run(*argv: str, stdin: str | None = None, env: Mapping[str, str] | None = No
     if env is not None:
         changes = {k: None for k in os.environ if k not in env}
         changes.update(env)
+    # the help's width as a process without a terminal has it (click: min($COLUMNS or 80, 80) - 2;
+    # the runner would force 80)
+    cols = (os.environ if env is None else env).get("COLUMNS", "")
+    width = max(min(int(cols) if cols.isdigit() else 80, 80) - 2, 50)
     code: object = 0
     with CliRunner().isolation(input=stdin, env=changes) as (out, err, _):
+        formatting.FORCED_WIDTH = width  # the runner puts its own value back when it ends
         try:
             main(list(argv))
         except SystemExit as exc:
