@@ -83,8 +83,9 @@ class Daemon:
         self.stderr = stderr
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
-        #: how its last stop went (exit status, seconds, stderr)
-        self.stopped: tuple[int, float, str] | None = None
+        #: how its last stop went (exit status, seconds to exit), and the process it stopped
+        self.stopped: tuple[int, float] | None = None
+        self.last_proc: subprocess.Popen[str] | None = None
 
     def start(self, wait: bool = True, timeout: float = 30) -> subprocess.Popen[str]:
         """Start it; with ``wait``, until its socket accepts a connection (an error with its
@@ -123,19 +124,21 @@ class Daemon:
             return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
 
     def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, then its exit status."""
-        return self.finish(timeout)[0]
-
-    def finish(self, timeout: float = 60) -> tuple[int, float, str]:
-        """SIGTERM: its exit status, how long it took to exit, and what it wrote to stderr (a
-        daemon already stopped: those of its stop)."""
+        """SIGTERM, then its exit status (a daemon already stopped: that of its stop). Its stderr
+        is left unread, for the caller (``proc.stderr`` of the process it was), or ``finish``."""
         if self.proc is None:
             assert self.stopped is not None, "the daemon was never started"
-            return self.stopped
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=timeout)
-        err = self.proc.stderr.read() if self.proc.stderr else ""
-        self.proc = None
-        self.stopped = (rc, time.monotonic() - t0, err)
-        return self.stopped
+            return self.stopped[0]
+        proc, t0 = self.proc, time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=timeout)
+        self.proc, self.last_proc = None, proc
+        self.stopped = (rc, time.monotonic() - t0)
+        return rc
+
+    def finish(self, timeout: float = 60) -> tuple[int, float, str]:
+        """``stop``: its exit status, how long it took to exit, and what it wrote to stderr."""
+        rc = self.stop(timeout)
+        assert self.stopped is not None and self.last_proc is not None
+        err = self.last_proc.stderr.read() if self.last_proc.stderr else ""
+        return rc, self.stopped[1], err
