@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from kv_layout_support import paged_caches  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from engine_hook.transfer import PagedKV, StagingPool, chunk_tensor  # noqa: E402
 from store import KVFormat  # noqa: E402
+from testsupport.kv_layouts import paged_caches  # noqa: E402
 
 SHAPES = {
     # name: (layers, kv heads, head dim, planes): one tensor-parallel rank's chunk of 256 tokens

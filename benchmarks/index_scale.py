@@ -30,10 +30,7 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from lmctl.client import Client  # noqa: E402
 from store import AdapterIdentity, GiB, KVFormat, Namespace, PutItem, Store, StoreConfig, TierConfig  # noqa: E402
+from testsupport.lmctl import Daemon as HarnessDaemon  # noqa: E402
 
 FMT = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, chunk_size=16)
 LAYOUT = {"dtype": "bfloat16", "shape": list(FMT.chunk_shape)}
@@ -121,24 +119,16 @@ def ensure(cache: Path, name: str, rebuild: bool) -> Path:
     return path
 
 
-class Daemon:
+class Daemon(HarnessDaemon):
+    """``lmctl serve`` on the benchmark's store (testsupport's daemon), with a client."""
+
     def __init__(self, path: Path) -> None:
-        self.sock = path / "bench.sock"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        sock = path / "bench.sock"
+        super().__init__(path, sock, command=["serve", "--store", str(path), "--socket", str(sock),
+                                              "--maintenance-interval", "3600", "--log-level", "warning"],
+                         stderr=None)  # its warnings on the benchmark's stderr
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(path),
-                                      "--socket", str(self.sock), "--maintenance-interval", "3600",
-                                      "--log-level", "warning"], env=env)
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("the daemon exited")
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(self.sock))
-                break
-            except OSError:
-                time.sleep(0.05)
+        self.start(timeout=3600)  # opening a large store is part of what is measured
         self.start_s = time.monotonic() - t0
         self.client = Client(str(self.sock), timeout=600)
 
@@ -153,10 +143,9 @@ class Daemon:
                     return int(line.split()[1]) / 1024
         return 0.0
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 120) -> int:
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
+        return super().stop(timeout)
 
 
 def timed(fn: Callable[[], Any]) -> float:

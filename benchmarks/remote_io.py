@@ -54,7 +54,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,6 +72,7 @@ import xxhash  # noqa: E402
 from store_io import SHAPES, chunk_bytes, fill_bf16  # noqa: E402
 
 from store.remote import RemoteMeta, RemoteTier  # noqa: E402
+from testsupport.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
 GOAL = 0.9
@@ -82,11 +82,6 @@ SIDES = ("tier", "auth", "enc", "plain")
 
 
 # -- the server ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Server:
     """A redis-server on a free loopback port, persistence off; stopped by pid."""

@@ -21,9 +21,7 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,43 +33,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from demo.models import smollm2  # noqa: E402
+from testsupport.vllm import VllmServer  # noqa: E402
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
+class Server(VllmServer):
+    """``vllm serve`` (testsupport's launcher) as the benchmark runs it: served as "m", seed 0,
+    offline; ready when it returns."""
 
-class Server:
     def __init__(self, model: Path, store: Path | None, work: Path, max_len: int) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--max-model-len", str(max_len), "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
-        if store is not None:
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "LMCtlConnector", "kv_connector_module_path": "engine_hook.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"store_path": str(store)}})]
-        env = {**os.environ, **ENV, "TMPDIR": str(work), "PYTHONPATH": str(ROOT)}
-        self.log = open(work / f"server-{self.port}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        end = time.time() + 300
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log.name}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError("the server did not start")
+        super().__init__(model, store, work, max_len=max_len, args=["--served-model-name", "m", "--seed", "0"],
+                         env=ENV)
+        self.wait_ready(300)
 
     def complete(self, prompt: list[int], max_tokens: int, stream: bool = False,
                  on_token: Any = None) -> list[float]:
@@ -96,14 +72,6 @@ class Server:
                 if on_token is not None:
                     on_token(len(times))
         return times
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 def wait_for_chunks(store: Path, want: int, timeout: float = 120) -> None:

@@ -41,14 +41,12 @@ class Engine:
 
     def start(self) -> None:
         from vllm import LLM
-        from vllm.config import KVTransferConfig
+
+        from testsupport.connector import kv_transfer_config
 
         ktc = None
         if self.store_path is not None:
-            ktc = KVTransferConfig(kv_connector="LMCtlConnector", kv_connector_module_path="engine_hook.vllm",
-                                   kv_role="kv_both",
-                                   kv_connector_extra_config={"store_path": str(self.store_path),
-                                                              **self.connector_config})
+            ktc = kv_transfer_config(self.store_path, **self.connector_config)
         # vLLM's own in-memory prefix cache is off by default, so that every hit comes from the store
         self.llm = LLM(str(self.model), dtype="float32", max_model_len=self.max_model_len,
                        enable_lora=self.lora, max_lora_rank=8, enable_prefix_caching=self.prefix_caching,

@@ -34,8 +34,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +49,8 @@ import torch  # noqa: E402
 
 from engine_hook import KVCacheClient  # noqa: E402
 from store import KVFormat  # noqa: E402
+from testsupport.lmctl import Daemon  # noqa: E402
+from testsupport.redis import Server  # noqa: E402
 
 #: the KV format of the made-up model "smol": 2 layers, 4 KV heads of 64, fp16, 64-token chunks (128 KiB)
 FMT = KVFormat("float16", num_layers=2, num_kv_heads=4, head_dim=64, chunk_size=64)
@@ -130,8 +130,8 @@ class Demo:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), LMCTL_STORE="cache",
             NO_COLOR="1")
         self.env.pop("LMCTL_SOCKET", None)
-        self.daemon: subprocess.Popen[bytes] | None = None
-        self.redis: subprocess.Popen[bytes] | None = None
+        self.daemon: Daemon | None = None
+        self.redis: Server | None = None
         self.redis_port = 0
 
     def say(self, text: str) -> None:
@@ -165,65 +165,26 @@ class Demo:
         args = ["serve", "--init", "--store", "cache", "--capacity", CAPACITY]
         print(f"$ lmctl {shlex.join(args)} &", flush=True)
         with open(self.work / "daemon.log", "ab") as log:
-            self.daemon = subprocess.Popen([sys.executable, "-m", "lmctl.cli", *args], cwd=self.work, env=self.env,
-                                           stdout=log, stderr=log)
-        sock = self.work / "cache" / "lmctl.sock"
-        deadline = time.monotonic() + 60
-        while True:
-            if self.daemon.poll() is not None:
-                raise SystemExit("lmctl serve exited:\n" + (self.work / "daemon.log").read_text())
+            self.daemon = Daemon(self.work / "cache", command=args, env=self.env, stderr=log, cwd=self.work)
             try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(sock))
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("lmctl serve did not start:\n" + (self.work / "daemon.log").read_text()) from None
-                time.sleep(0.05)
+                self.daemon.start(timeout=60)
+            except AssertionError:
+                raise SystemExit("lmctl serve did not start:\n" + (self.work / "daemon.log").read_text()) from None
 
     def start_redis(self) -> str:
-        exe = shutil.which("redis-server")
-        assert exe is not None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.redis_port = int(s.getsockname()[1])
-        (self.work / "redis").mkdir()
-        with open(self.work / "redis" / "redis.log", "ab") as log:
-            self.redis = subprocess.Popen([exe, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                                           "--appendonly", "no", "--dir", str(self.work / "redis")],
-                                          stdout=log, stderr=log)
-        deadline = time.monotonic() + 20
-        while True:
-            if self.redis.poll() is not None:
-                raise SystemExit("redis-server exited:\n" + (self.work / "redis" / "redis.log").read_text())
-            try:
-                with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return f"redis://127.0.0.1:{self.redis_port}/0"
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("redis-server did not start")
-            time.sleep(0.05)
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        self.redis = Server(self.work / "redis")  # persistence off, on a free loopback port
+        self.redis.wait(self.redis.client)
+        self.redis_port = self.redis.port
+        return self.redis.url
 
     def stop_redis(self) -> None:
-        self._stop(self.redis)
+        if self.redis is not None:
+            self.redis.stop()
 
     def close(self) -> None:
-        self._stop(self.daemon)
-        self._stop(self.redis)
+        if self.daemon is not None and self.daemon.proc is not None:
+            self.daemon.stop()
+        self.stop_redis()
 
 
 class SlowDisk:

@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 import demo.engine  # noqa: E402, F401  (sets vLLM's environment first)
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, tiny_llama  # noqa: E402
-from demo.router_index import Indexer, free_port  # noqa: E402
+from demo.router_index import Indexer  # noqa: E402
+from testsupport.lmctl import Daemon  # noqa: E402
+from testsupport.ports import free_port  # noqa: E402
 
 BLOCK = 128
 TOPIC = "kv@pod-1@tiny"
@@ -123,8 +125,9 @@ def main() -> None:
     eng = Engine(base, store, connector={"load_policy": "always"}, kv_events_config=events)
     idx = Indexer(work, f"tcp://127.0.0.1:{port}", BLOCK, model_name="tiny")
     time.sleep(0.5)
-    daemon = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--socket",
-                               str(sock)], stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    daemon = Daemon(store, sock, command=["serve", "--store", str(store), "--socket", str(sock)],
+                    stderr=subprocess.DEVNULL)
+    daemon.start(wait=False)
     ids = iter(range(1, 1000))
     doc = work / "contract.json"
     p = prompt(11, 600)
@@ -193,8 +196,7 @@ def main() -> None:
         print(f"for scale: one chunk's KV is {kv} bytes on this tiny model "
               f"(SmolLM2-135M bf16: {30 * 2 * 256 * 3 * 64 * 2} bytes)")
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        daemon.stop()
         eng.close()
         idx.stop()
         wire.close()

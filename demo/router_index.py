@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,15 +16,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from testsupport.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_PYTHON = Path(os.environ.get("LMCTL_ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python")))
 
-
-def free_port() -> int:
-    """A free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Indexer:

@@ -37,7 +37,8 @@ import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imp
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
 from demo.vllm_demo import SERVED_NAME, chat_messages, chat_prompt, document, ttft  # noqa: E402
-from tests.redis_server import Server, free_port, secret_file  # noqa: E402
+from testsupport.ports import free_port  # noqa: E402
+from testsupport.redis import Server, secret_file  # noqa: E402
 
 LMCTL = str(Path(sys.executable).with_name("lmctl"))
 

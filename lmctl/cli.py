@@ -26,8 +26,6 @@ from .terminal import CommandError, ExitStatus, Terminal
 
 
 @app.callback(invoke_without_command=True)
-
-
 def _main(
     ctx: typer.Context,
     socket_path: Annotated[str | None, typer.Option(
@@ -68,8 +66,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # -- help -----------------------------------------------------------------------------------------
-
-
 def help_(ctx: typer.Context, command: Annotated[list[str] | None, typer.Argument(
         metavar="COMMAND", help="the command (and subcommand) whose help to show")] = None) -> None:
     """Show the help of lmctl or of one command (lmctl help config set = lmctl config set --help).

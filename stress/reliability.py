@@ -85,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 from store import DiskFullError, MiB, Store, StoreConfig, StoreError, TierConfig  # noqa: E402
 from store.errors import IndexWriteError  # noqa: E402
 from stress.common import Tally, content, key  # noqa: E402
+from testsupport.lmctl import Daemon as HarnessDaemon  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -318,41 +319,12 @@ def scenario_full_disk(work: Path, n: int) -> Tally:
 
 
 # -- a real daemon ------------------------------------------------------------------------------
-class Daemon:
+class Daemon(HarnessDaemon):
+    """``lmctl serve --init`` on ``store`` (testsupport's daemon), started."""
+
     def __init__(self, store: Path, extra: list[str] | None = None, sock: Path | None = None) -> None:
-        self.store, self.sock = store, sock or store / "lmctl.sock"
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--init",
-                                      "--socket", str(self.sock), "--maintenance-interval", "0.5", *(extra or [])],
-                                     env=ENV, stderr=subprocess.PIPE, text=True)
-        end = time.time() + 30
-        while time.time() < end:
-            try:
-                with socket.socket(socket.AF_UNIX) as c:
-                    c.connect(str(self.sock))
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("the daemon did not start")
-
-    def call(self, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
-        from lmctl.client import Client
-
-        c = Client(str(self.sock), timeout=60)
-        try:
-            return c.call(cmd, args)
-        finally:
-            c.close()
-
-    def threads(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
-
-    def stop(self) -> tuple[int, float, str]:
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=60)
-        err = self.proc.stderr.read() if self.proc.stderr else ""
-        return rc, time.monotonic() - t0, err
+        super().__init__(store, sock, ["--init", *(extra or [])], env=ENV)
+        self.start()
 
 
 def _frames(rng: random.Random) -> list[bytes]:
@@ -415,7 +387,7 @@ def scenario_frames(work: Path, n: int) -> Tally:
         t.check(d.call("status")["store"]["path"] == str(d.store), "the daemon did not serve after the flood")
         t.facts.update(connections_held=len(held), daemon_threads=threads)
     finally:
-        rc, took, err = d.stop()
+        rc, took, err = d.finish()
         for c in locals().get("held", []):
             c.close()
     t.check(rc == 0 and "Traceback" not in err, f"the daemon exited {rc} or logged a traceback")
@@ -466,7 +438,7 @@ def scenario_concurrent(work: Path, seconds: float) -> Tally:
     writer.wait()
     v = d.call("verify", {"deep": True, "fix": True})
     v2 = d.call("verify", {"deep": True})
-    rc, _took, err = d.stop()
+    rc, _took, err = d.finish()
     t.trials = calls[0]
     t.check(not errors, f"{len(errors)} client calls failed: {errors[:3]}")
     t.check(v2["ok"], f"verify --deep after the run: {v2['problems'][:3]}")

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
 from stress.common import Tally, content, key
 from stress.users import AsUser, as_user, call, flood, is_root, open_folder, threads_of, throwaway_user
+from testsupport.lmctl import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -86,13 +86,8 @@ def scenario_daemon_abuse(work: Path, n: int) -> Tally:
     srv, heard, done = _listen()
     with throwaway_user("lmx_abz") as refused, throwaway_user("lmx_opz") as operator, open_folder() as shared:
         sock = os.path.join(shared, "lmctl.sock")
-        proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", "serve", "--store", str(store), "--socket", sock,
-                                 "--socket-mode", "0666", "--allow-uid", str(operator.uid),
-                                 "--maintenance-interval", "0.5"], env=ENV, stderr=subprocess.PIPE, text=True)
+        proc = Daemon(store, Path(sock), ["--socket-mode", "0666", "--allow-uid", str(operator.uid)], env=ENV).start()
         try:
-            end = time.time() + 30
-            while not os.path.exists(sock) and time.time() < end and proc.poll() is None:
-                time.sleep(0.05)
             call(sock, "verify", {"deep": True})  # every record read once: the tier's I/O threads are up
             idle = threads_of(proc.pid)
             peak = idle

@@ -11,7 +11,6 @@ lists every unreadable chunk) and the fix (it drops them all, and nothing else).
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +24,7 @@ CHUNKS = 24
 
 def scenario_eio(work: Path, n: int) -> Tally:
     t = Tally("eio")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from faultfs import FaultFS, skip_reason
+    from testsupport.faultfs import FaultFS, skip_reason
 
     reason = skip_reason()
     if reason is not None:

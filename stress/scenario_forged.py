@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -34,8 +33,7 @@ def scenario_forged(work: Path, n: int) -> Tally:
     if shutil.which("redis-server") is None:
         t.facts["skipped"] = "no redis-server (scripts/setup.sh installs it)"
         return t
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from redis_server import Server, secret_file
+    from testsupport.redis import Server, secret_file
 
     srv = Server(work / "redis")
     srv.wait(srv.client)

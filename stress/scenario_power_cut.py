@@ -169,7 +169,7 @@ class Writer(Worker):
 def cut_trial(work: Path, seed: int, ops: int, keep: float) -> tuple[Promises, dict[str, float]]:
     """One writer on a fresh store under a FaultFS mount running ``ops`` random operations, cut
     at a moment drawn from ``seed``; returns the promises and what the reopened store lost."""
-    from faultfs import FaultFS
+    from testsupport.faultfs import FaultFS
 
     backing, mnt = work / f"backing{seed}", work / f"mnt{seed}"
     rng = random.Random(seed)
@@ -191,7 +191,7 @@ def window_probe(work: Path, age: float, seed: int) -> bool:
     """One put on an idle writer, the power cut ``age`` seconds after its acknowledgement,
     nothing else committed meanwhile (the access log waits a minute): whether it survived
     (the window of the background sync alone, measured)."""
-    from faultfs import FaultFS
+    from testsupport.faultfs import FaultFS
 
     backing, mnt = work / f"probe{seed}", work / f"probe-mnt{seed}"
     with FaultFS(backing, mnt) as fs:
@@ -212,8 +212,7 @@ def window_probe(work: Path, age: float, seed: int) -> bool:
 
 
 def scenario_power_cut(work: Path, n: int) -> Tally:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from faultfs import skip_reason
+    from testsupport.faultfs import skip_reason
 
     t = Tally("power-cut")
     why = skip_reason()

@@ -136,13 +136,13 @@ def scenario_readonly(work: Path, n: int) -> Tally:
                 gone = [k for k in acked if (c := engine.get(k)) is None or bytes(c.data) != content(k, SIZE)]
                 t.check(not gone, f"trial {trial}: {len(gone)} acknowledged chunks unreadable after")
                 engine.close()
-                rc, _s, err = d.stop()
+                rc, _s, err = d.finish()
                 t.check(rc == 0, f"trial {trial}: the daemon stopped with {rc}: {err[-300:]}")
                 d = Daemon(path, sock=work / f"d{trial}.sock")  # a restart on the read-only disk
                 status = d.call("status")
                 t.check(status["store"]["readonly"] is True and status["store"]["tiers"]["nvme"]["chunks"] >= 20,
                         f"trial {trial}: a daemon restarted on the read-only disk does not serve it read-only")
-                rc, _s, err = d.stop()
+                rc, _s, err = d.finish()
                 d = None
                 t.check(rc == 0, f"trial {trial}: the restarted daemon stopped with {rc}: {err[-300:]}")
             reads += counts["reads"]

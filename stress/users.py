@@ -8,7 +8,6 @@ the CLI) with no need to reach the interpreter's files as that user.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import select
@@ -18,7 +17,7 @@ import sys
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,18 +122,13 @@ def call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> dict[str, A
 
 
 def cli(*argv: str) -> dict[str, Any]:
-    """The ``lmctl`` command line run in this process: its exit status and output (as another
-    user, run it once as this one first: the modules it imports lazily must be loaded)."""
-    from lmctl.cli import main
+    """The ``lmctl`` command line run in this process (testsupport's ``run``): its exit status
+    and output (as another user, run it once as this one first: the modules it imports lazily
+    must be loaded)."""
+    from testsupport.lmctl import run
 
-    out, err = io.StringIO(), io.StringIO()
-    code: Any = 0
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            main(list(argv))
-        except SystemExit as exc:
-            code = exc.code
-    return {"rc": code if isinstance(code, int) else 1, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    r = run(*argv)
+    return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
 
 
 def flood(sock: str, hold: int, stop_fd: int) -> dict[str, int]:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from store import GiB, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
+from testsupport.lmctl import env_with_path as env_with_path  # the tests import it from here
 
 if TYPE_CHECKING:
-    from test_daemon import Daemon
+    from testsupport.lmctl import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 #: modules that start a vLLM engine: the fast lane does not even import them
@@ -144,12 +143,6 @@ def loop_ext4(tmp_path: Path, size: str = "85M", options: str = "loop") -> Itera
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy (a failed test): detach
-
-
-def env_with_path() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def flip_byte(store: Store, k: bytes, where: str = "payload") -> None:

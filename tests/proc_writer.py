@@ -12,12 +12,11 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# run as a script: its folder (tests/) is first on the path, this checkout on PYTHONPATH
+from conftest import content, key
 
-from conftest import content, key  # noqa: E402
-
-from store import Store, StoreConfig, TierConfig  # noqa: E402
-from store.segment import SegmentIO  # noqa: E402
+from store import Store, StoreConfig, TierConfig
+from store.segment import SegmentIO
 
 
 def main() -> None:

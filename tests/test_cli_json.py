@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,16 @@ def same_keys(doc: Any, got: Any, path: str = "") -> None:
         assert not isinstance(got, (dict, list)), f"{path}: documented a value, got {got!r}"
 
 
+def status_after_a_maintenance_pass(d: Daemon) -> Any:
+    """``status`` once the daemon's maintenance has run (every 0.5 s here), so that the
+    documented object of its last pass is there to compare."""
+    end = time.monotonic() + 30
+    while (st := cj(d, "status"))["daemon"]["maintenance"]["last_ok"] is None:
+        assert time.monotonic() < end, "no maintenance pass within 30 s"
+        time.sleep(0.05)
+    return st
+
+
 def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
     docs = documented()
     fill(tmp_path / "store", dram=True)
@@ -62,7 +73,7 @@ def test_json_of_every_command_matches_the_docs(tmp_path: Path) -> None:
                 "error": json.loads(cli(d, "--json", "pin", "--tokens", doc).stdout),
                 "config": cj(d, "config", "set", "codec_level=1"),
                 "config set --dry-run": cj(d, "config", "set", "tiers.nvme.capacity=16MiB", "--dry-run"),
-                "status": cj(d, "status"),
+                "status": status_after_a_maintenance_pass(d),
                 "lookup": cj(d, "lookup", "--tokens", doc),
                 "pin": cj(d, "pin", "--label", "contracts", "--tokens", doc),
                 "unpin": cj(d, "unpin", "--label", "contracts", "--key", key, "--dry-run"),

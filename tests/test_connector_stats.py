@@ -185,11 +185,11 @@ def test_prometheus_metrics_are_registered_at_zero_and_record_reports() -> None:
 def test_vllms_own_loggers_find_the_connectors_stats_and_metrics(tmp_path: Path) -> None:
     """vLLM's API-server side, from the connector named in the config: the periodic log
     line (aggregate + reduce + reset) and the Prometheus metrics, in a private registry."""
-    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 
-    ktc = KVTransferConfig(kv_connector="LMCtlConnector", kv_connector_module_path="engine_hook.vllm",
-                           kv_role="kv_both", kv_connector_extra_config={"store_path": str(tmp_path / "s")})
+    from testsupport.connector import kv_transfer_config
+
+    ktc = kv_transfer_config(tmp_path / "s")
     reg = CollectorRegistry()
     classes = registry_classes(reg)
 

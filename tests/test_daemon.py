@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from conftest import ROOT, SMALL_FMT, SMALL_LAYOUT, content, env_with_path
 
 from lmctl import protocol
 from store import MiB, Namespace, Store, StoreConfig, TierConfig
+from testsupport.lmctl import Daemon, run, run_process
 
 FMT = SMALL_FMT
 LAYOUT = SMALL_LAYOUT
@@ -43,49 +42,21 @@ def fill(path: Path, dram: bool = False) -> list[bytes]:
     return keys
 
 
-class Daemon:
-    """``lmctl serve`` on ``store`` (socket ``sock``), with ``extra`` options; ``command``
-    replaces the whole ``lmctl`` command line where a test needs another one."""
-
-    def __init__(self, store: Path, sock: Path | None = None, extra: Sequence[str] = (), *,
-                 command: Sequence[str] | None = None, env: dict[str, str] | None = None) -> None:
-        self.store = store
-        self.sock = sock or store / "lmctl.sock"
-        self.command = list(command) if command is not None else [
-            "serve", "--store", str(store), "--socket", str(self.sock), "--maintenance-interval", "0.5", *extra]
-        self.env = env
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, wait: bool = True) -> subprocess.Popen[str]:
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmctl.cli", *self.command],
-                                     env=self.env or env_with_path(), stderr=subprocess.PIPE, text=True)
-        if wait:
-            end = time.time() + 30
-            while time.time() < end:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"daemon exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
-                try:
-                    with socket.socket(socket.AF_UNIX) as s:
-                        s.connect(str(self.sock))
-                    return self.proc
-                except OSError:
-                    time.sleep(0.05)
-            raise AssertionError("daemon did not start")
-        return self.proc
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=30)
-        self.proc = None
-        return rc
-
 
 def cli(d: Daemon | None, *args: str, stdin: str | None = None,
         sock: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``lmctl [--socket SOCK] ARGS`` run in this process (testsupport's ``run``: the program's
+    entry point, its streams captured); ``cli_process`` where the process itself is tested."""
     pre = ["--socket", sock or str(d.sock)] if (d is not None or sock) else []
-    return subprocess.run([sys.executable, "-m", "lmctl.cli", *pre, *args], capture_output=True, text=True,
-                          env=env_with_path(), timeout=120, input=stdin)
+    return run(*pre, *args, stdin=stdin)
+
+
+def cli_process(d: Daemon | None, *args: str, stdin: str | None = None,
+                sock: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``lmctl [--socket SOCK] ARGS`` as a process of its own: exit statuses through a real
+    process, start-up, signals, peer checks."""
+    pre = ["--socket", sock or str(d.sock)] if (d is not None or sock) else []
+    return run_process(*pre, *args, stdin=stdin)
 
 
 def cj(d: Daemon, *args: str) -> Any:
@@ -234,28 +205,29 @@ def test_move_and_warm_into_dram(tmp_path: Path) -> None:
 
 # -- errors and the protocol ------------------------------------------------------------------
 def test_errors_are_one_line_with_exit_codes(daemon: Daemon, tmp_path: Path) -> None:
-    r = cli(daemon, "pin", "--tokens", tokens_file(tmp_path, TOKENS))
+    """Through a real process: exit statuses and one line on stderr, as a shell sees them."""
+    r = cli_process(daemon, "pin", "--tokens", tokens_file(tmp_path, TOKENS))
     assert r.returncode == 2 and r.stderr.startswith("lmctl: ") and r.stderr.count("\n") == 1
-    r = cli(daemon, "--json", "lookup")
+    r = cli_process(daemon, "--json", "lookup")
     assert r.returncode == 2 and json.loads(r.stdout)["error"]["code"] == "usage"
-    r = cli(daemon, "--json", "inspect", "--key", "00" * 48)
+    r = cli_process(daemon, "--json", "inspect", "--key", "00" * 48)
     assert r.returncode == 1 and "no chunk" in json.loads(r.stdout)["error"]["message"]
-    r = cli(daemon, "lookup", "--tokens", str(tmp_path / "missing.json"))
+    r = cli_process(daemon, "lookup", "--tokens", str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "cannot read" in r.stderr
-    r = cli(daemon, "ls", "--older-than", "soon")
+    r = cli_process(daemon, "ls", "--older-than", "soon")
     assert r.returncode == 2
-    r = cli(daemon, "frobnicate")
+    r = cli_process(daemon, "frobnicate")
     assert r.returncode == 2
     # global options after the command work too
-    r = cli(None, "lookup", "--tokens", tokens_file(tmp_path, TOKENS), "--json", "--socket", str(daemon.sock))
+    r = cli_process(None, "lookup", "--tokens", tokens_file(tmp_path, TOKENS), "--json", "--socket", str(daemon.sock))
     assert r.returncode == 0 and json.loads(r.stdout)["hit_tokens"] == 64
 
 
 def test_no_daemon_exits_3_naming_the_socket(tmp_path: Path) -> None:
     sock = str(tmp_path / "nobody.sock")
-    r = cli(None, "status", sock=sock)
+    r = cli_process(None, "status", sock=sock)
     assert r.returncode == 3 and sock in r.stderr and r.stderr.count("\n") == 1
-    r = cli(None, "--json", "lookup", "--key", "00" * 48, sock=sock)
+    r = cli_process(None, "--json", "lookup", "--key", "00" * 48, sock=sock)
     assert r.returncode == 3 and json.loads(r.stdout)["error"]["code"] == "unreachable"
 
 
@@ -438,10 +410,7 @@ def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path)
         committed = (ROOT / "completions" / name).read_text()
         assert committed == script(shell), (
             f"completions/{name} is stale: run lmctl completion show {shell} > completions/{name}")
-    env = env_with_path()
-    env["HOME"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "completion", "install", "--shell", "bash"],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = run("completion", "install", "--shell", "bash", env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0
     installed = tmp_path / ".local/share/bash-completion/completions/lmctl"
     assert installed.read_text() == script("bash")
@@ -449,10 +418,8 @@ def test_completions_are_generated_from_the_cli_and_do_not_drift(tmp_path: Path)
 
 def test_completion_callback_offers_labels_from_the_daemon(daemon: Daemon, tmp_path: Path) -> None:
     cj(daemon, "pin", "--label", "docs-2026", "--tokens", tokens_file(tmp_path, TOKENS))
-    env = env_with_path()
-    env.update({"_LMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "lmctl unpin --label do", "COMP_CWORD": "3",
-                "LMCTL_SOCKET": str(daemon.sock)})
-    r = subprocess.run([sys.executable, "-m", "lmctl.cli"], capture_output=True, text=True, env=env, timeout=60)
+    r = run(env={**os.environ, "_LMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "lmctl unpin --label do",
+                 "COMP_CWORD": "3", "LMCTL_SOCKET": str(daemon.sock)})
     assert r.stdout.split() == ["docs-2026"]
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import content, key, loop_ext4
-from faultfs import FaultFS, skip_reason
 
 from store import (
     DiskFullError,
@@ -32,6 +31,7 @@ from store import (
 )
 from store.clock import ManualClock
 from stress.scenario_full_shm import fill
+from testsupport.faultfs import FaultFS, skip_reason
 
 CHUNK = 64 << 10
 

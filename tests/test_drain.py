@@ -26,6 +26,7 @@ from lmctl.manifest import parse_manifest
 from lmctl.terminal import CommandError, ExitStatus
 from store import MiB, PutItem, Store, StoreConfig, TierConfig
 from store.config import RemoteConfig
+from testsupport.lmctl import run
 
 COLD = NS.chunk_keys(list(range(1000, 1096)))  # six chunks nobody pins
 DOC = NS.chunk_keys(TOKENS)  # four chunks, pinned as a document
@@ -423,8 +424,6 @@ def test_drain_json_has_the_documented_keys(tmp_path: Path, hosts: Callable[...,
 def test_a_budget_without_a_unit_is_told_before_any_daemon_is_asked(tmp_path: Path) -> None:
     """Usage errors come first: with no daemon at all, a bad --budget is exit 2, not 3."""
     for argv, says in ((["--budget", "10"], "has no unit"), (["--deadline", "10"], "has no unit")):
-        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(tmp_path / "none.sock"), "drain",
-                            "--manifest", str(tmp_path / "m.json"), *argv], capture_output=True, text=True,
-                           env=env_with_path(), timeout=60)
+        r = run("--socket", str(tmp_path / "none.sock"), "drain", "--manifest", str(tmp_path / "m.json"), *argv)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (argv, r.stderr)
         assert not (tmp_path / "m.json").exists()

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from faultfs import FaultFS, skip_reason
+
+from testsupport.faultfs import FaultFS, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_layout_support import ORDERS, paged_caches, splittable
 
 from engine_hook.config import ConnectorSettings
 from engine_hook.context import ConnectorContext
@@ -21,6 +20,7 @@ from engine_hook.ops import LoadOp, SaveOp
 from engine_hook.transfer import PagedKV, StagingPool, chunk_tensor
 from engine_hook.worker import LMCtlConnectorWorker
 from store import KVFormat, Namespace
+from testsupport.kv_layouts import ORDERS, paged_caches, splittable
 
 pytestmark = pytest.mark.gpu
 

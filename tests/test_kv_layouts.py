@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 import vllm.v1.kv_cache_interface as vllm_kv
-from kv_layout_support import ORDERS, paged_caches, splittable
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from engine_hook import KVCacheClient
 from engine_hook.context import kv_format_of_spec
 from engine_hook.transfer import PagedKV
 from store import KVFormat, Namespace, StoreError
+from testsupport.kv_layouts import ORDERS, paged_caches, splittable
 
 BLOCK = 16
 CHUNK = 64  # four blocks a chunk

@@ -18,6 +18,7 @@ from test_daemon import NS, OTHER, TOKENS, Daemon, cj, cli, env_with_path, fill,
 
 from lmctl.completion import bash_completion_note
 from store import AdapterIdentity, GiB, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
+from testsupport.lmctl import run
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_conflicting_selectors_are_usage_errors(daemon: Daemon) -> None:
     assert r.returncode == 2 and json.loads(r.stdout)["error"]["code"] == "usage"
 
 
-def test_an_adapter_name_is_a_name_even_when_a_folder_has_it(tmp_path: Path) -> None:
+def test_an_adapter_name_is_a_name_even_when_a_folder_has_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     civil = AdapterIdentity("civil", "ab" * 16)
     ns = Namespace("m", NS.kv_format, civil)
     with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)})) as s:
@@ -73,14 +74,13 @@ def test_an_adapter_name_is_a_name_even_when_a_folder_has_it(tmp_path: Path) -> 
     (tmp_path / "civil" / "adapter_config.json").write_text("{}")
     d = Daemon(tmp_path / "s")
     d.start()
+    monkeypatch.chdir(tmp_path)  # the operator stands next to the folder
     try:
-        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(d.sock), "--json", "ls",
-                            "--adapter", "civil"], capture_output=True, text=True, env=env_with_path(), cwd=tmp_path)
+        r = cli(d, "--json", "ls", "--adapter", "civil")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["total"] == 4
         # a path (it has a slash) is a folder: its digest differs, so nothing matches
-        r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(d.sock), "--json", "ls",
-                            "--adapter", "./civil"], capture_output=True, text=True, env=env_with_path(), cwd=tmp_path)
+        r = cli(d, "--json", "ls", "--adapter", "./civil")
         assert r.returncode == 0 and json.loads(r.stdout)["total"] == 0
     finally:
         d.stop()
@@ -439,9 +439,7 @@ def test_bash_completion_install_says_how_to_load_it_without_bash_completion(tmp
     assert note is not None and "source /home/u/script" in note
     fw.write_text("")
     assert bash_completion_note("/home/u/script", (str(fw),)) is None
-    env = env_with_path()
-    env["HOME"] = str(tmp_path)
-    r = serve("completion", "install", "--shell", "bash", env=env)
+    r = run("completion", "install", "--shell", "bash", env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0
     have_framework = any(os.path.exists(p) for p in ("/usr/share/bash-completion/bash_completion",
                                                      "/etc/bash_completion"))
@@ -508,9 +506,8 @@ def test_warm_checks_the_document_before_posting_and_names_the_one_model(daemon:
 
 
 def test_the_shell_takes_json_before_the_command(daemon: Daemon) -> None:
-    r = subprocess.run([sys.executable, "-m", "lmctl.cli", "--socket", str(daemon.sock), "shell"],
-                       input="--json status\nls --limit abc\nexit\n", capture_output=True, text=True,
-                       env={**env_with_path(), "HOME": str(daemon.store.parent)}, timeout=60)
+    r = run("--socket", str(daemon.sock), "shell", stdin="--json status\nls --limit abc\nexit\n",
+            env={**os.environ, "HOME": str(daemon.store.parent)})
     assert r.returncode == 2  # a script's failed line (the usage error) is its exit status
     assert '"daemon": {' in r.stdout and "unknown command" not in r.stderr
     assert "lmctl: " in r.stderr and "Usage:" not in r.stderr + r.stdout

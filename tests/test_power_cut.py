@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultfs import FaultFS, skip_reason
 
 from store import MiB, Store
 from stress.common import content, key
 from stress.scenario_power_cut import SIZE, WINDOW_S, Promises, Writer, cut_trial
+from testsupport.faultfs import FaultFS, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 

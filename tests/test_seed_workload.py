@@ -48,7 +48,7 @@ def test_quick_run_caches_the_fixed_prefixes_after_a_restart_and_on_a_second_ins
     assert rnd["order"] == ["vllm", "restart", "second"]
     assert rnd["restart"]["connector"]["loaded_chunks"] >= 1  # from the local disk
     assert rnd["second"]["connector"]["loaded_chunks"] >= 1   # from Redis: its own store started empty
-    assert rnd["restart"]["connector"]["load_failures"] == rnd["second"]["connector"]["load_failures"] == 0
+    assert rnd["restart"]["connector"]["failed_loads"] == rnd["second"]["connector"]["failed_loads"] == 0
     steady = cases["steady"]
     for side in ("vllm", "lmctl"):
         assert steady[side]["requests"]["median"] == res["users"] * res["pipelines_per_user"] * 2

@@ -12,15 +12,13 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, env_with_path, flip_byte
+from conftest import ROOT, flip_byte
 from redis_server import secret_file
 from test_daemon import Daemon, cj  # noqa: E402
 
@@ -29,6 +27,7 @@ from demo.engine import Engine as BaseEngine  # noqa: E402
 from demo.models import make_lora, sample_text, tiny_llama  # noqa: E402
 from engine_hook.vllm import LMCtlConnector, live_connectors  # noqa: E402
 from store import Store  # noqa: E402
+from testsupport.vllm import VllmServer  # noqa: E402
 
 VOCAB = 1024
 MAX_TOKENS = 10
@@ -356,34 +355,13 @@ def test_warm_prefills_a_document_through_vllm_serve(models: dict[str, Path], tm
     """A deploy script's warm-up against a real OpenAI-compatible vLLM server (the
     connector in vLLM's multi-process mode): the model is known to lmctl from the
     engine's start, and `warm --endpoint` fills the store with the document's chunks."""
-    import socket as pysocket
-    import urllib.request
-
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     store = tmp_path / "store"
-    env = env_with_path()
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
-    ktc = {"kv_connector": "LMCtlConnector", "kv_connector_module_path": "engine_hook.vllm", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"store_path": str(store)}}
     model = str(models["base"])
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--no-enable-prefix-caching",
-         "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = VllmServer(model, store, tmp_path)  # the real server layout: engine core in its own process
+    port = server.port
     daemon = None
     try:
-        end = time.time() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None, server.stderr.read() if server.stderr else "server died"
-                assert time.time() < end, "vLLM server did not start"
-                time.sleep(0.5)
+        server.wait_ready()
         daemon = cli = LmctlDaemon(store, tmp_path / "d.sock")
         text = sample_text(600, seed=11)
         # known before any request: the connector records the model when the engine starts
@@ -396,12 +374,7 @@ def test_warm_prefills_a_document_through_vllm_serve(models: dict[str, Path], tm
     finally:
         if daemon is not None:
             daemon.stop()
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        server.stop()
 
 
 def test_load_policy_recomputes_a_prefix_that_a_slow_tier_would_load_too_slowly(

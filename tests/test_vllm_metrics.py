@@ -10,21 +10,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import ROOT, env_with_path
+from conftest import ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
 import demo.engine  # noqa: F401  (vLLM's environment: KV space, loopback, offline; the server inherits it)
 from demo.models import tiny_llama
 from engine_hook.stats import METRICS
+from testsupport.vllm import VllmServer
 
 VOCAB = 1024
 
@@ -34,54 +31,12 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-class Server:
-    """`vllm serve` (the OpenAI-compatible API server) with the lmctl connector."""
+class Server(VllmServer):
+    """`vllm serve` (the OpenAI-compatible API server) with the lmctl connector; the tiny model
+    computes a prompt faster than it loads one: every hit is loaded."""
 
     def __init__(self, model: Path, store: Path, tmp: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        env = env_with_path()
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process, as in production
-        env["TMPDIR"] = str(tmp)  # vLLM's IPC files stay in the test's folder
-        # the tiny model computes a prompt faster than it loads one: load every hit
-        ktc = {"kv_connector": "LMCtlConnector", "kv_connector_module_path": "engine_hook.vllm",
-               "kv_role": "kv_both", "kv_connector_extra_config": {"store_path": str(store), "load_policy": "always"}}
-        self.log_path = tmp / "server.log"
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048", "--no-enable-prefix-caching",
-             "--enforce-eager", "--kv-transfer-config", json.dumps(ktc)],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
-        self.model = str(model)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        end = time.time() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                assert self.proc.poll() is None, "vLLM server died:\n" + self.log()[-4000:]
-                assert time.time() < end, "vLLM server did not start:\n" + self.log()[-4000:]
-                time.sleep(0.5)
-
-    def complete(self, tokens: list[int], max_tokens: int = 4) -> dict[str, Any]:
-        body = json.dumps({"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0})
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            assert r.status == 200
-            out: dict[str, Any] = json.load(r)
-        return out
+        super().__init__(model, store, tmp, load_policy="always")
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """Every sample on /metrics: (name, labels) -> value."""
@@ -90,14 +45,6 @@ class Server:
         return {(s.name, frozenset(s.labels.items())): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:

@@ -12,8 +12,6 @@ from .base import DryRun, NoHeaders, Output, Partial, chunk_id, formats, in_tier
 
 
 @with_selectors
-
-
 def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False,
         export_manifest: Annotated[str | None, typer.Option(
             metavar="FILE", help="pin nothing: write the documents the selection's pins were made from "
@@ -38,8 +36,6 @@ def pin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False,
 
 
 @with_selectors
-
-
 def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> None:
     """Remove a label's pins (all of them, or those a selector picks).
 
@@ -53,8 +49,6 @@ def unpin(ctx: typer.Context, sel: dict[str, Any], dry_run: DryRun = False) -> N
 
 
 @with_selectors
-
-
 def evict(ctx: typer.Context, sel: dict[str, Any], force: Annotated[bool, typer.Option(
         "--force", help="evict pinned chunks too")] = False, dry_run: Annotated[bool, typer.Option(
             "--dry-run", help="list what would go (keys and sizes) and evict nothing")] = False,
@@ -110,8 +104,6 @@ def _show_victims(term: Terminal, rows: list[dict[str, Any]], total: int) -> Non
 
 
 @with_selectors
-
-
 def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Option(
         help="destination tier: dram, nvme or remote", autocompletion=complete_values("--to"))],
          partial: Partial = False, dry_run: DryRun = False) -> None:
@@ -129,8 +121,6 @@ def move(ctx: typer.Context, sel: dict[str, Any], to: Annotated[str, typer.Optio
 
 
 @with_selectors
-
-
 def compress(ctx: typer.Context, sel: dict[str, Any],
              level: Annotated[int | None, typer.Option(help="zstd level, 1-19 [default: 1]")] = None,
              codec: Annotated[str, typer.Option(help="zstd-shuffle, zstd or raw",

@@ -13,8 +13,6 @@ config_app = typer.Typer(help="Show or change the store's settings through the d
 
 
 @config_app.command("show")
-
-
 def config_show(ctx: typer.Context) -> None:
     """The store's settings (tiers, capacities, pin budgets, codec, ...).
 
@@ -34,8 +32,6 @@ SETTINGS_HELP = (f"Keys: {', '.join(STORE_SETTINGS)}; {', '.join(f'tiers.TIER.{k
 
 
 @config_app.command("set", epilog=SETTINGS_HELP)
-
-
 def config_set(ctx: typer.Context, pairs: Annotated[list[str], typer.Argument(
         metavar="KEY=VALUE", help="e.g. tiers.nvme.capacity=500GiB codec=zstd-shuffle",
         autocompletion=complete_values("KEY=VALUE"))], dry_run: Annotated[bool, typer.Option(

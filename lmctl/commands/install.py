@@ -13,8 +13,6 @@ completion_app = typer.Typer(help="Shell completion scripts (bash, zsh, fish).",
 
 
 @completion_app.command("show")
-
-
 def completion_show(ctx: typer.Context, shell_name: Annotated[str, typer.Argument(
         metavar="SHELL", help="bash, zsh or fish", autocompletion=complete_values("SHELL"))]) -> None:
     """Print the completion script for a shell.
@@ -31,8 +29,6 @@ def completion_show(ctx: typer.Context, shell_name: Annotated[str, typer.Argumen
 
 
 @completion_app.command("install")
-
-
 def completion_install(ctx: typer.Context, shell_name: Annotated[str | None, typer.Option(
         "--shell", help="bash, zsh or fish [default: from $SHELL]", autocompletion=complete_values("--shell"))]
         = None) -> None:
@@ -58,8 +54,6 @@ remote_app = typer.Typer(help="The shared remote tier (Redis): its deployment se
 
 
 @remote_app.command("secret")
-
-
 def remote_secret(ctx: typer.Context, path: Annotated[str, typer.Argument(
         metavar="PATH", help="the file to create (it must not exist)")]) -> None:
     """Generate a deployment secret (32 random bytes, hex, a new file of mode 0600); no daemon needed.

@@ -25,8 +25,6 @@ from .base import (
 
 
 @with_selectors
-
-
 def inspect_(ctx: typer.Context, sel: dict[str, Any], output: Output = None, no_headers: NoHeaders = False) -> None:
     """Store statistics by tier, model, adapter and label, or one chunk's metadata (--key K).
 
@@ -115,8 +113,6 @@ def _inspect_tsv(term: Terminal, r: dict[str, Any]) -> None:
 
 
 @with_selectors
-
-
 def ls_(ctx: typer.Context, sel: dict[str, Any], limit: Annotated[int, typer.Option(
         help="rows per page (0: all, in key order)", min=0)] = 100,
         sort: Annotated[str, typer.Option(

@@ -12,8 +12,6 @@ from .base import Show, chunk_id, request
 
 
 @with_selectors
-
-
 def lookup(ctx: typer.Context, sel: dict[str, Any], explain: Annotated[bool, typer.Option(
         "--explain", help="say why the first missing chunk misses (a reason code and a sentence)")] = False,
            min_hit: Annotated[float | None, typer.Option(

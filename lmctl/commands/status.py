@@ -39,8 +39,6 @@ def status(
 
 
 @contextmanager
-
-
 def _deadline(term: Terminal, timeout: float | None) -> Iterator[None]:
     """Requests made meanwhile give up after ``timeout`` seconds without an answer (None:
     as the terminal's connection already does)."""

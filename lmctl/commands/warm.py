@@ -19,8 +19,6 @@ AllowMissing = Annotated[bool, typer.Option(
 
 
 @with_selectors
-
-
 def warm(ctx: typer.Context, sel: dict[str, Any], endpoint: Annotated[str | None, typer.Option(
         help="also prefill the document through this OpenAI-compatible server (http://host:port)")] = None,
          to: Annotated[str | None, typer.Option(

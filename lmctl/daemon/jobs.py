@@ -27,8 +27,6 @@ _FAULT_STEP_DELAY = float(os.environ.get("LMCTL_FAULT_JOB_STEP_DELAY", "0") or 0
 
 
 @dataclass
-
-
 class RunningJob(OpJob):
     """One running request. ``progress`` streams progress frames and is where a job learns
     that it is cancelled: its client hung up (Ctrl-C) or the daemon is stopping."""
@@ -90,8 +88,6 @@ class RunningJob(OpJob):
 
 
 @dataclass
-
-
 class DaemonState:
     store: Store
     socket_path: str

@@ -28,8 +28,6 @@ def _hotness(c: ChunkInfo) -> tuple[bool, float, int]:
 
 
 @dataclasses.dataclass
-
-
 class _Unit:
     """What ``drain`` copies as one: a pinned document (all its stored chunks, or nothing
     for the budget) or one chunk. ``row``: the report row of the pinned entry it is part of

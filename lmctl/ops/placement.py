@@ -97,8 +97,6 @@ def _rewrite(store: Store, args: dict[str, Any], job: Job, what: str, **kw: Any)
 
 
 @dataclasses.dataclass
-
-
 class Fit:
     """What of a selection a local tier can keep: ``take`` (the keys to bring in, in the
     selection's order), ``left`` (chunks ``--partial`` leaves where they are), ``room`` (the
