@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from store import (
     AdapterIdentity,
     KVFormat,
+    LookupResult,
     Namespace,
     PartialHit,
     open_shared,
@@ -106,7 +107,7 @@ class LMCtlConnectorScheduler:
         self._recent_saves = RecentKeys()
         self._loads_ready: list[str] = []  # requests whose blocks are allocated for an async load
         # the remote tier is asked off the scheduler's thread: vLLM asks again meanwhile
-        self._remote_asks: dict[str, Future[list[str | None]]] = {}
+        self._remote_asks: dict[str, Future[LookupResult]] = {}
         self._remote_pool: ThreadPoolExecutor | None = None
         self.policy = LoadPolicy(ctx.settings.load_policy)
         self._last_step: tuple[float, int, int] | None = None  # when, prefill tokens, longest context
@@ -147,11 +148,12 @@ class LMCtlConnectorScheduler:
         ns = self._namespace(request, self.ctx.kv_format)
         bs = self.ctx.block_size
         found = self.store.lookup(ns, prompt, remote=False, block=bs)
-        if self.store.has_remote and self.store.remote_reachable and found.hit_chunks < len(found.keys):
-            tiers = self._ask_remote(request.request_id, found.keys, found.tiers)
-            if tiers is None:
+        # the remote tier is asked where it could add a block vLLM would load (never the last token's)
+        if self.store.has_remote and self.store.remote_reachable and found.hit_tokens < (len(prompt) - 1) // bs * bs:
+            answer = self._ask_remote(request.request_id, ns, prompt, found, bs)
+            if answer is None:
                 return None  # asked; vLLM asks again next step
-            found.set_tiers(tiers)
+            found = answer
         # the last prompt token is always computed (vLLM needs its logits)
         end = min(found.hit_tokens, (len(prompt) - 1) // bs * bs) if prompt else 0
         st = _Req(ns, found.keys, [t is not None for t in found.tiers], prompt, partial=found.partial)
@@ -179,14 +181,17 @@ class LMCtlConnectorScheduler:
         self.hit_tokens += d.load_tokens
         return d.load_tokens
 
-    def _ask_remote(self, req_id: str, keys: list[bytes], tiers: list[str | None]) -> list[str | None] | None:
-        """The tiers with the remote tier's answer for what the local tiers lack, or None
-        while it is being asked (in the background, within the tier's lookup deadline)."""
+    def _ask_remote(self, req_id: str, ns: Namespace, prompt: list[int], found: LookupResult,
+                    bs: int) -> LookupResult | None:
+        """``found`` with the remote tier's answer for what the local tiers lack (full chunks,
+        and the partial keys of the first chunk not stored whole), or None while it is being
+        asked (in the background, within the tier's lookup deadline)."""
         fut = self._remote_asks.get(req_id)
         if fut is None:
             if self._remote_pool is None:
                 self._remote_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmctl-remote-lookup")
-            fut = self._remote_asks[req_id] = self._remote_pool.submit(self.store.locate, keys)
+            fut = self._remote_asks[req_id] = self._remote_pool.submit(self.store.lookup_remote, ns, prompt,
+                                                                       found, bs)
             wait([fut], timeout=REMOTE_ASK_WAIT_S)  # a near server answers within this: no extra step
         if not fut.done():
             return None
@@ -195,7 +200,7 @@ class LMCtlConnectorScheduler:
             return fut.result()
         except Exception as exc:  # the remote tier never raises on purpose; a bug is a local-only answer
             log.warning("lmctl: remote lookup for request %s failed: %s", req_id, exc)
-            return tiers
+            return found
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
                                  num_external_tokens: int) -> None:

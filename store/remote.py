@@ -99,6 +99,7 @@ import math
 import os
 import re
 import stat
+import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -658,6 +659,122 @@ class RemoteTier:
         self._note_miss(bkey, r)
         return None
 
+    # -- aliases -----------------------------------------------------------------------
+    def alias_name(self, alias: bytes, keys: Keys | None = None) -> str:
+        """The Redis key of an alias value (a partial key that names the record holding its
+        leading tokens), under ``keys`` (default: the current secret's)."""
+        return self._tag(alias, keys) + ":a"
+
+    def put_aliases(self, aliases: Sequence[tuple[bytes, bytes, int, int]]) -> bool:
+        """Store alias values, each ``(alias key, record key, tokens, record tokens)``: the
+        record of ``record key`` holds ``record tokens`` tokens, of which the first
+        ``tokens`` are those the alias key names. One pipelined round trip (not a
+        transaction: an alias is useful alone, and names of several records live on several
+        cluster nodes). Authenticated like heads (and their body encrypted) under the current
+        secret, bound to the alias's Redis name and key. True when the server took them all."""
+        if not aliases or self.clock.monotonic() < self._writes_paused_until:
+            return not aliases
+        keys = self.keyring[0]
+        values: list[tuple[str, bytes]] = []
+        for alias, target, n, rec in aliases:
+            if not (0 < n < rec < 1 << 32 and 0 < len(target) <= 1024 and len(alias) == len(target)):
+                raise StoreError(f"an alias of {n} tokens into a record of {rec} cannot be put to the remote tier")
+            name = self.alias_name(alias)
+            body = _ALIAS.pack(n, rec, len(target)) + bytes(target)
+            values.append((name, keys.seal_alias(self.mode, name, bytes(alias), new_nonce(), body)))
+        px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+
+        def write(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            for name, value in values:
+                pipe.set(name, value, px=px)
+            for r in pipe.execute(raise_on_error=False):
+                if isinstance(r, Exception):
+                    raise r
+
+        ok, _ = self._call("put aliases", False, write)
+        return ok
+
+    def lookup_partial(self, keys: Sequence[bytes], partials: Sequence[bytes]) -> \
+            tuple[list[bool], list[bool], list[tuple[bytes, int, int] | None]] | None:
+        """One pipelined round trip (``lookup_timeout_s``) for a lookup at the block: which
+        of ``keys`` have a head (``contains_many``), which of ``partials`` have a head of
+        their own (a tail record), and the alias value of each partial key, verified:
+        ``(record key, tokens, record tokens)`` or None. None when the server did not
+        answer. An alias value that does not verify is None and counted (``forged``: a MAC
+        that fails, a value of another purpose or name; ``torn``: without a secret, a
+        checksum that fails; ``foreign``: another format); the caller checks the claims of
+        one that does against what it looks for."""
+        per = len(self.keyring)
+        heads = [self.head_key(k, ring) for k in list(keys) + list(partials) for ring in self.keyring]
+        names = [(p, ring, self.alias_name(p, ring)) for p in partials for ring in self.keyring]
+        if not heads:
+            return [], [], []
+
+        def look(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for h in heads:
+                pipe.exists(h)
+            for _p, _ring, name in names:
+                pipe.get(name)
+            return list(pipe.execute(raise_on_error=False))
+
+        self._count(lookups=len(keys) + len(partials))
+        ok, res = self._call("lookup", True, look)
+        if not ok:
+            return None
+        there = [r is True or (isinstance(r, int) and r > 0) for r in res[: len(heads)]]
+        found = [any(there[i:i + per]) for i in range(0, len(there), per)]
+        values = res[len(heads):]
+        aliases: list[tuple[bytes, int, int] | None] = []
+        for i, p in enumerate(partials):
+            got = None
+            for j in range(per):
+                _p, ring, name = names[i * per + j]
+                raw = values[i * per + j]
+                if raw is None:
+                    continue
+                got = self._open_alias(bytes(p), ring, name, raw)
+                if got is not None:
+                    break
+            aliases.append(got)
+        return found[: len(keys)], found[len(keys):], aliases
+
+    def _open_alias(self, alias: bytes, ring: Keys, name: str, raw: object) -> tuple[bytes, int, int] | None:
+        """A verified alias value's ``(record key, tokens, record tokens)``; None (counted)
+        for anything else."""
+        short = alias.hex()[32:48]
+        try:
+            if not isinstance(raw, bytes):
+                raise Foreign(f"not a string value ({raw})")
+            body = ring.open_alias(name, alias, raw)
+            if len(body) < _ALIAS.size:
+                raise Forged("an alias value too short for its fields")
+            n, rec, tlen = _ALIAS.unpack_from(body, 0)
+            target = body[_ALIAS.size:]
+            if len(target) != tlen or tlen != len(alias):
+                raise Forged("an alias value whose record key does not add up")
+        except Foreign as exc:
+            self._count(foreign=1)
+            self._warn("foreign", "alias %s at %s: %s; a miss", short, name, exc)
+            return None
+        except Torn as exc:  # without a secret: a checksum that fails
+            self._count(torn=1)
+            self._warn("torn", "alias %s at %s: %s; a miss", short, name, exc)
+            return None
+        except Forged as exc:
+            self._count(forged=1)
+            self._warn("forged", "alias %s at %s: %s; a miss", short, name, exc)
+            return None
+        return target, n, rec
+
+    def count_forged(self, key: bytes, problem: str) -> None:
+        """An alias value that verified but whose claims do not fit what it was asked for (a
+        record of another namespace, token counts that do not fit): a miss counted ``forged``
+        (only a holder of the secret could have written it)."""
+        self._count(forged=1)
+        self._warn("forged", "alias %s: %s; a miss", bytes(key).hex()[32:48], problem)
+
     def count_foreign(self, key: bytes, problem: str) -> None:
         """A hit the caller found unusable after all (verified bytes that do not decode): a
         miss counted ``foreign``."""
@@ -845,6 +962,10 @@ class RemoteTier:
 
         ok, dropped = self._call("drop", False, drop)
         return bool(dropped) if ok else None
+
+
+#: an alias value's body: tokens, record tokens, record key length; then the record key
+_ALIAS = struct.Struct("<IIH")
 
 
 def _pieces(tag: str, count: int, first: int = 0) -> list[str]:

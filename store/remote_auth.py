@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 HEAD_MAGIC = b"LMRC"
+ALIAS_MAGIC = b"LMRA"  # an alias value: which record holds the leading tokens of a partial key
 HEAD_VERSION = 4  # 4: GMAC payloads (3: keyed BLAKE3 payloads, foreign since)
 MODE_PLAIN, MODE_MAC, MODE_SEALED = 0, 1, 2  # no secret; a MAC; a MAC and encrypted pieces
 NONCE_BYTES = 24
@@ -179,9 +180,9 @@ class Keys:
         return str(h.hexdigest(length=NAME_BYTES))
 
     # -- heads -----------------------------------------------------------------------------
-    def _head_mac(self, name: str, key: bytes, body: Buffer) -> bytes:
+    def _head_mac(self, what: bytes, name: str, key: bytes, body: Buffer) -> bytes:
         h = _blake3().blake3(key=self.mac_key)
-        _bind(h.update, b"head", name, key)
+        _bind(h.update, what, name, key)
         h.update(body)
         return bytes(h.digest())
 
@@ -190,36 +191,51 @@ class Keys:
 
     def seal_head(self, mode: int, name: str, key: bytes, nonce: bytes, meta: bytes) -> bytes:
         """A head: the clear part, ``meta`` (encrypted with a secret) and its tag."""
-        if self.authenticated != (mode != MODE_PLAIN):
-            raise ValueError(f"mode {mode} does not go with these keys")
-        if mode == MODE_PLAIN:
-            body = _CLEAR.pack(HEAD_MAGIC, HEAD_VERSION, mode, 0, nonce, len(meta)) + meta
-            return body + xxhash.xxh3_64(_binding(b"head", name, key) + body).digest()
-        sealed = (int.from_bytes(meta, "little") ^ self._keystream(nonce, len(meta))).to_bytes(len(meta), "little")
-        body = _CLEAR.pack(HEAD_MAGIC, HEAD_VERSION, mode, 0, nonce, len(meta)) + sealed
-        return body + self._head_mac(name, key, body)
+        return self._seal(b"head", HEAD_MAGIC, mode, name, key, nonce, meta)
 
     def open_head(self, name: str, key: bytes, raw: bytes) -> tuple[int, bytes, bytes]:
         """``(mode, nonce, metadata)`` of a head read from ``name``; ``Foreign``, ``Forged``
         or ``Torn`` if it is not a head of this deployment for this chunk."""
-        if len(raw) < CLEAR_BYTES or raw[:4] != HEAD_MAGIC:
-            raise Foreign("not an lmctl remote head")
+        return self._open(b"head", HEAD_MAGIC, name, key, raw)
+
+    def seal_alias(self, mode: int, name: str, alias: bytes, nonce: bytes, body: bytes) -> bytes:
+        """An alias value: framed and tagged like a head, under its own purpose and magic (so
+        neither can stand for the other), bound to its Redis name and the alias key."""
+        return self._seal(b"alias", ALIAS_MAGIC, mode, name, alias, nonce, body)
+
+    def open_alias(self, name: str, alias: bytes, raw: bytes) -> bytes:
+        """The body of an alias value read from ``name``; ``Foreign``, ``Forged`` or ``Torn``."""
+        return self._open(b"alias", ALIAS_MAGIC, name, alias, raw)[2]
+
+    def _seal(self, what: bytes, magic: bytes, mode: int, name: str, key: bytes, nonce: bytes, meta: bytes) -> bytes:
+        if self.authenticated != (mode != MODE_PLAIN):
+            raise ValueError(f"mode {mode} does not go with these keys")
+        if mode == MODE_PLAIN:
+            body = _CLEAR.pack(magic, HEAD_VERSION, mode, 0, nonce, len(meta)) + meta
+            return body + xxhash.xxh3_64(_binding(what, name, key) + body).digest()
+        sealed = (int.from_bytes(meta, "little") ^ self._keystream(nonce, len(meta))).to_bytes(len(meta), "little")
+        body = _CLEAR.pack(magic, HEAD_VERSION, mode, 0, nonce, len(meta)) + sealed
+        return body + self._head_mac(what, name, key, body)
+
+    def _open(self, what: bytes, magic: bytes, name: str, key: bytes, raw: bytes) -> tuple[int, bytes, bytes]:
+        if len(raw) < CLEAR_BYTES or raw[:4] != magic:
+            raise Foreign(f"not an lmctl remote {what.decode()}")
         _magic, version, mode, _zero, nonce, meta_len = _CLEAR.unpack_from(raw, 0)
         if version != HEAD_VERSION:
-            raise Foreign(f"a head of format version {version}; this lmctl reads {HEAD_VERSION}")
+            raise Foreign(f"a {what.decode()} of format version {version}; this lmctl reads {HEAD_VERSION}")
         end = CLEAR_BYTES + meta_len
         if not self.authenticated:
             if mode != MODE_PLAIN:
-                raise Foreign("a head of a deployment with a secret; this tier has none")
+                raise Foreign(f"a {what.decode()} of a deployment with a secret; this tier has none")
             if len(raw) != end + PLAIN_TAG_BYTES or \
-                    xxhash.xxh3_64(_binding(b"head", name, key) + raw[:end]).digest() != raw[end:]:
-                raise Torn("the head fails its checksum")
+                    xxhash.xxh3_64(_binding(what, name, key) + raw[:end]).digest() != raw[end:]:
+                raise Torn(f"the {what.decode()} fails its checksum")
             return mode, nonce, raw[CLEAR_BYTES:end]
         if mode == MODE_PLAIN:
-            raise Forged("a head without a MAC, where this deployment requires one")
+            raise Forged(f"a {what.decode()} without a MAC, where this deployment requires one")
         if mode not in (MODE_MAC, MODE_SEALED) or len(raw) != end + TAG_BYTES or \
-                not hmac.compare_digest(self._head_mac(name, key, memoryview(raw)[:end]), raw[end:]):
-            raise Forged("the head fails its MAC")
+                not hmac.compare_digest(self._head_mac(what, name, key, memoryview(raw)[:end]), raw[end:]):
+            raise Forged(f"the {what.decode()} fails its MAC")
         sealed = raw[CLEAR_BYTES:end]
         meta = (int.from_bytes(sealed, "little") ^ self._keystream(nonce, meta_len)).to_bytes(meta_len, "little")
         return mode, nonce, meta

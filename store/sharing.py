@@ -14,15 +14,16 @@ import hashlib
 import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .clock import SYSTEM_CLOCK, Clock
 from .codec import CODEC_NAMES, Codec, codec_id
 from .config import RemoteConfig
 from .errors import StoreError
-from .keys import DTYPE_SIZES
-from .types import ChunkInfo, Origin, PutItem, RewriteResult
+from .keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, boundary_keys, chain_hash
+from .types import ChunkInfo, LookupResult, Origin, PartialHit, PutItem, RewriteResult
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -35,6 +36,10 @@ log = logging.getLogger("lmctl.store")
 #: id, codec level, layout, tokens, checksum of the stored bytes
 Stored = tuple[bytes, "Buffer", int, int, int, dict[str, Any], int, int]
 
+
+#: records found remotely through an alias or as a tail, whose aliases (the partial keys the
+#: lookup confirmed) are recorded locally when the record is promoted: at most this many
+LEARNED_MAX = 1024
 
 #: ``move --to remote`` drops the chunks it has put from the local tiers this many at a time
 MOVE_BATCH = 64
@@ -69,6 +74,8 @@ class Sharing:
         self._codec = codec
         self._lock = threading.Lock()
         self.promoted = 0
+        #: record key -> the aliases a remote lookup confirmed for it, until it is promoted
+        self._learned: OrderedDict[bytes, list[tuple[bytes, int]]] = OrderedDict()
         self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, secret_file=cfg.secret_file,
                                            previous_secret_file=cfg.previous_secret_file, encrypt=cfg.encrypt,
                                            trust=cfg.trust, writer=writer, piece_bytes=cfg.piece_bytes,
@@ -95,6 +102,83 @@ class Sharing:
             if there:
                 out[i] = "remote"
         return out, 0
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int], found: LookupResult, block: int | None) -> LookupResult:
+        """``found`` (the local answer) extended by the remote tier: the full chunks the local
+        tiers lack and, with ``block``, the partial keys of the first chunk not stored whole
+        (a tail record under its own key, or a full record's leading blocks through an alias
+        value), in one pipelined round trip; a second one only where the remote tier's full
+        chunks moved the first missing chunk further. The longest partial hit wins; one the
+        local tiers have already is not asked for again. A server that does not answer
+        leaves ``found`` as it is."""
+        keys = found.keys
+        missing = [i for i, t in enumerate(found.tiers) if t is None]
+        c0 = found.hit_chunks
+        have = found.partial.tokens if found.partial is not None and found.partial.chunk == c0 else 0
+        cands = self._candidates(ns, tokens, keys, c0, block, have)
+        if not missing and not cands:
+            return found
+        answer = self.tier.lookup_partial([keys[i] for i in missing], [k for _n, k in cands])
+        if answer is None:
+            return found
+        full, tails, aliases = answer
+        tiers = list(found.tiers)
+        for i, there in zip(missing, full, strict=True):
+            if there:
+                tiers[i] = "remote"
+        found.set_tiers(tiers)
+        c = found.hit_chunks
+        if c != c0:  # the first chunk not stored whole is further on: ask about its partial keys
+            cands = self._candidates(ns, tokens, keys, c, block, 0)
+            again = self.tier.lookup_partial([], [k for _n, k in cands]) if cands else None
+            if again is None:
+                return found
+            _, tails, aliases = again
+        hit = self._pick(c, cands, tails, aliases, ns.kv_format.chunk_size)
+        if hit is not None:
+            found.partial = hit
+        return found
+
+    @staticmethod
+    def _candidates(ns: Namespace, tokens: Sequence[int], keys: list[bytes], c: int, block: int | None,
+                    have: int) -> list[tuple[int, bytes]]:
+        """The partial keys of chunk ``c`` (at ``block`` boundaries, short of the whole chunk)
+        that would give more than ``have`` tokens of it."""
+        cs = ns.kv_format.chunk_size
+        if block is None or not 0 < block < cs or cs % block or c > len(keys):
+            return []
+        cands = boundary_keys(ns, chain_hash(ns, keys, c), tokens[c * cs : (c + 1) * cs], block)
+        return [(n, k) for n, k in cands if have < n < cs]
+
+    def _pick(self, c: int, cands: list[tuple[int, bytes]], tails: list[bool],
+              aliases: list[tuple[bytes, int, int] | None], cs: int) -> PartialHit | None:
+        """The longest partial hit the remote tier's answer gives; whatever an alias value
+        claims is checked (its record's namespace is the alias's, its tokens are the
+        boundary's, its record holds more and at most a chunk): else a miss, counted."""
+        for i in reversed(range(len(cands))):
+            n, k = cands[i]
+            hit = None
+            if tails[i]:
+                hit = PartialHit(c, k, n, n, "remote")
+            elif aliases[i] is not None:
+                target, tok, rec = aliases[i]  # type: ignore[misc]
+                if target[:NS_ID_BYTES] != k[:NS_ID_BYTES]:
+                    self.tier.count_forged(k, "it names a record of another namespace")
+                elif tok != n or not n < rec <= cs:
+                    self.tier.count_forged(k, f"it claims {tok} of {rec} tokens at a boundary of {n}")
+                else:
+                    hit = PartialHit(c, bytes(target), n, rec, "remote", alias=k)
+            if hit is not None:
+                self._learn(hit.key, [(a, m) for m, a in cands[:i + 1] if m < hit.record_tokens])
+                return hit
+        return None
+
+    def _learn(self, key: bytes, aliases: list[tuple[bytes, int]]) -> None:
+        with self._lock:
+            self._learned[key] = aliases
+            self._learned.move_to_end(key)
+            while len(self._learned) > LEARNED_MAX:
+                self._learned.popitem(last=False)
 
     # -- reads -----------------------------------------------------------------------------
     def fetch_into(self, key: bytes, out: memoryview | None, *, expect: int | None = None,
@@ -136,28 +220,42 @@ class Sharing:
         """What to store locally of a chunk ``fetch_into`` read (None: promotion is off). The
         store writes it (its write path: this tier never calls back into it), then
         ``promoted`` counts it."""
+        with self._lock:
+            aliases = self._learned.pop(bytes(info.key), None)
         if not self.cfg.promote:
             return None
         return PutItem(info.key, memoryview(data)[: info.raw_bytes], info.layout, info.tokens, "raw",
-                       origin=info.origin)
+                       origin=info.origin, aliases=aliases or None)
 
     def count_promoted(self) -> None:
         with self._lock:
             self.promoted += 1
 
     # -- writes ----------------------------------------------------------------------------
-    def push(self, chunks: Sequence[Stored]) -> int:
-        """Put chunks just stored locally to the remote tier too; how many it took."""
+    def push(self, chunks: Sequence[Stored],
+             aliases: Mapping[bytes, Sequence[tuple[bytes, int]] | None] | None = None) -> int:
+        """Put chunks just stored locally to the remote tier too; how many it took.
+        ``aliases``: the aliases of some of them (``PutItem.aliases``), put as alias values
+        (one round trip for the batch) once their record is there."""
         from .remote import RemoteMeta
 
         n = 0
+        values: list[tuple[bytes, bytes, int, int]] = []
         for key, stored, raw_len, cid, level, layout, tokens, checksum in chunks:
             try:
                 meta = RemoteMeta(raw_len=raw_len, codec=CODEC_NAMES[cid], level=level, layout=layout, tokens=tokens,
                                   checksum=checksum)
-                n += self.tier.put(key, stored, meta)
+                if self.tier.put(key, stored, meta):
+                    n += 1
+                    mine = (aliases or {}).get(key) or ()
+                    values.extend((a, key, t, tokens) for a, t in mine if 0 < t < tokens and len(a) == len(key))
             except StoreError as exc:  # a chunk the tier refuses (too large, odd metadata): not shared
                 log.warning("remote tier refused chunk %s: %s", key[16:24].hex(), exc)
+        if values:
+            try:
+                self.tier.put_aliases(values)
+            except StoreError as exc:
+                log.warning("remote tier refused aliases: %s", exc)
         return n
 
     def push_entries(self, victims: Sequence[tuple[bytes, Any]],

@@ -871,10 +871,16 @@ class Store:
         blocks of a full chunk through an alias): ``LookupResult.partial``. An engine gives
         its block size; None looks up full chunks only. All in one index transaction."""
         found = self._reads.lookup(ns, tokens, block)
+        return self.lookup_remote(ns, tokens, found, block) if remote else found
+
+    def lookup_remote(self, ns: Namespace, tokens: Sequence[int], found: LookupResult,
+                      block: int | None = PARTIAL_BLOCK) -> LookupResult:
+        """``found`` (``lookup(..., remote=False)``'s answer) extended by the remote tier:
+        the full chunks the local tiers lack and, with ``block``, the partial keys of the
+        first chunk not stored whole (tail records, alias values), pipelined in one round
+        trip within the tier's lookup deadline. Without a remote tier, ``found`` itself."""
         sharing = self._sharing
-        if remote and sharing is not None and found.hit_chunks < len(found.keys):
-            found.set_tiers(sharing.locate(found.keys, found.tiers))
-        return found
+        return found if sharing is None else sharing.lookup(ns, tokens, found, block)
 
     def get(self, key: bytes, touch: bool = True, *, expect: int | None = None) -> Chunk | None:
         """Read and verify one chunk; None on a miss (absent, corrupt, foreign or of the wrong
@@ -961,6 +967,8 @@ class Store:
             if info is None and sharing is not None:
                 got = sharing.fetch_into(keys[i], views[i], expect=wants[i], limit=len(views[i]))
                 info = infos[i] = None if got is None else got[0]
+                if got is not None:  # promoted as get_into's are (a record found through an alias: with them)
+                    self._promote_remote(sharing, *got)
             if info is not None:
                 m.inc("loads_total", 1, tier=info.tier)
                 m.inc("load_bytes_total", info.raw_bytes, tier=info.tier)

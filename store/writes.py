@@ -231,7 +231,8 @@ class Writes:
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)
                                     for i, p, _seg, _off, csum in done if results[i]]
             if shared:
-                remote.push(shared)
+                remote.push(shared, {p.item.key: p.item.aliases for i, p, _seg, _off, _c in done
+                                     if results[i] and p.item.aliases})
         return results
 
     def _write_records(self, st: TierState, prepared: list[_Prepared],
