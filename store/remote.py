@@ -696,18 +696,21 @@ class RemoteTier:
         return ok
 
     def lookup_partial(self, keys: Sequence[bytes], partials: Sequence[bytes]) -> \
-            tuple[list[bool], list[bool], list[tuple[bytes, int, int] | None]] | None:
+            tuple[list[bool], list[bool], list[Callable[[], tuple[bytes, int, int] | None] | None]] | None:
         """One pipelined round trip (``lookup_timeout_s``) for a lookup at the block: which
         of ``keys`` have a head (``contains_many``), which of ``partials`` have a head of
-        their own (a tail record), and the alias value of each partial key, verified:
-        ``(record key, tokens, record tokens)`` or None. None when the server did not
-        answer. An alias value that does not verify is None and counted (``forged``: a MAC
+        their own (a tail record), and the alias value of each partial key: None where there
+        is none, else a call that verifies it (only the ones a caller needs are verified)
+        and returns ``(record key, tokens, record tokens)`` or None. None when the server
+        did not answer. An alias value that does not verify is None and counted (``forged``: a MAC
         that fails, a value of another purpose or name; ``torn``: without a secret, a
         checksum that fails; ``foreign``: another format); the caller checks the claims of
         one that does against what it looks for."""
         per = len(self.keyring)
-        heads = [self.head_key(k, ring) for k in list(keys) + list(partials) for ring in self.keyring]
-        names = [(p, ring, self.alias_name(p, ring)) for p in partials for ring in self.keyring]
+        tags = [(ring, self._tag(p, ring)) for p in partials for ring in self.keyring]  # one digest each
+        heads = [self.head_key(k, ring) for k in keys for ring in self.keyring] + [t + ":h" for _r, t in tags]
+        names = [(p, ring, t + ":a") for p, (ring, t) in zip([p for p in partials for _ in self.keyring], tags,
+                                                               strict=True)]
         if not heads:
             return [], [], []
 
@@ -726,19 +729,24 @@ class RemoteTier:
         there = [r is True or (isinstance(r, int) and r > 0) for r in res[: len(heads)]]
         found = [any(there[i:i + per]) for i in range(0, len(there), per)]
         values = res[len(heads):]
-        aliases: list[tuple[bytes, int, int] | None] = []
-        for i, p in enumerate(partials):
-            got = None
-            for j in range(per):
-                _p, ring, name = names[i * per + j]
-                raw = values[i * per + j]
-                if raw is None:
-                    continue
-                got = self._open_alias(bytes(p), ring, name, raw)
-                if got is not None:
-                    break
-            aliases.append(got)
-        return found[: len(keys)], found[len(keys):], aliases
+
+        def opener(i: int) -> Callable[[], tuple[bytes, int, int] | None] | None:
+            mine = [(ring, name, raw) for (_p, ring, name), raw in zip(names[i * per:(i + 1) * per],
+                                                                       values[i * per:(i + 1) * per], strict=True)
+                    if raw is not None]
+            if not mine:
+                return None
+            alias = bytes(partials[i])
+
+            def open_it() -> tuple[bytes, int, int] | None:
+                for ring, name, raw in mine:
+                    got = self._open_alias(alias, ring, name, raw)
+                    if got is not None:
+                        return got
+                return None
+            return open_it
+
+        return found[: len(keys)], found[len(keys):], [opener(i) for i in range(len(partials))]
 
     def _open_alias(self, alias: bytes, ring: Keys, name: str, raw: object) -> tuple[bytes, int, int] | None:
         """A verified alias value's ``(record key, tokens, record tokens)``; None (counted)

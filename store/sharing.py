@@ -108,7 +108,8 @@ class Sharing:
         tiers lack and, with ``block``, the partial keys of the first chunk not stored whole
         (a tail record under its own key, or a full record's leading blocks through an alias
         value), in one pipelined round trip; a second one only where the remote tier's full
-        chunks moved the first missing chunk further. The longest partial hit wins; one the
+        chunks moved the first missing chunk further and short of the last (the partial
+        keys after the last full chunk are asked with the first ones). The longest partial hit wins; one the
         local tiers have already is not asked for again. A server that does not answer
         leaves ``found`` as it is."""
         keys = found.keys
@@ -116,9 +117,11 @@ class Sharing:
         c0 = found.hit_chunks
         have = found.partial.tokens if found.partial is not None and found.partial.chunk == c0 else 0
         cands = self._candidates(ns, tokens, keys, c0, block, have)
+        # where the remote tier holds every full chunk, the partial one after them: asked too
+        last = self._candidates(ns, tokens, keys, len(keys), block, 0) if missing and c0 < len(keys) else []
         if not missing and not cands:
             return found
-        answer = self.tier.lookup_partial([keys[i] for i in missing], [k for _n, k in cands])
+        answer = self.tier.lookup_partial([keys[i] for i in missing], [k for _n, k in cands + last])
         if answer is None:
             return found
         full, tails, aliases = answer
@@ -128,7 +131,11 @@ class Sharing:
                 tiers[i] = "remote"
         found.set_tiers(tiers)
         c = found.hit_chunks
-        if c != c0:  # the first chunk not stored whole is further on: ask about its partial keys
+        if c == c0:
+            tails, aliases = tails[: len(cands)], aliases[: len(cands)]
+        elif c == len(keys):  # asked already
+            cands, tails, aliases = last, tails[len(cands):], aliases[len(cands):]
+        else:  # the first chunk not stored whole is further on: ask about its partial keys
             cands = self._candidates(ns, tokens, keys, c, block, 0)
             again = self.tier.lookup_partial([], [k for _n, k in cands]) if cands else None
             if again is None:
@@ -151,7 +158,7 @@ class Sharing:
         return [(n, k) for n, k in cands if have < n < cs]
 
     def _pick(self, c: int, cands: list[tuple[int, bytes]], tails: list[bool],
-              aliases: list[tuple[bytes, int, int] | None], cs: int) -> PartialHit | None:
+              aliases: Sequence[Callable[[], tuple[bytes, int, int] | None] | None], cs: int) -> PartialHit | None:
         """The longest partial hit the remote tier's answer gives; whatever an alias value
         claims is checked (its record's namespace is the alias's, its tokens are the
         boundary's, its record holds more and at most a chunk): else a miss, counted."""
@@ -160,8 +167,8 @@ class Sharing:
             hit = None
             if tails[i]:
                 hit = PartialHit(c, k, n, n, "remote")
-            elif aliases[i] is not None:
-                target, tok, rec = aliases[i]  # type: ignore[misc]
+            elif (opener := aliases[i]) is not None and (got := opener()) is not None:
+                target, tok, rec = got
                 if target[:NS_ID_BYTES] != k[:NS_ID_BYTES]:
                     self.tier.count_forged(k, "it names a record of another namespace")
                 elif tok != n or not n < rec <= cs:

@@ -72,17 +72,20 @@ def test_a_second_instance_finds_a_short_prefix_through_redis_bit_exact(hosts: H
     """Issue 23 (b): instance A serves a 250-token prefix + question 1 (one full chunk, with
     aliases) and a 400-token prefix + question (a full chunk and a tail record); instance B,
     empty, with another question, gets each prefix down to its last block from Redis,
-    bit-exact, in one round trip (two where a full chunk comes first), and records what it
-    promoted with its aliases: the next lookup is local."""
-    a, b = hosts("a", encrypt=encrypt), hosts("b", encrypt=encrypt)
+    bit-exact, in one round trip (two only where the partial chunk lies between full ones
+    that only Redis holds), and records what it promoted with its aliases: the next lookup
+    is local."""
+    a = hosts("a", encrypt=encrypt)
     saved = save_request(a, ADAPTER, prompt(250, 6, seed=1), block)
     saved |= save_request(a, ADAPTER, other_prompt(400, 20, seed=3), block)
     r = hosts.redis.client()  # type: ignore[attr-defined]
     assert any(n.endswith(b":a") for n in r.keys("test:*"))  # alias values went through
 
-    for prefix, trips_expected in ((250, 1), (400, 2)):
-        q2 = prompt(250, 23, seed=2) if prefix == 250 else other_prompt(400, 23, seed=2)
-        assert b.lookup(ADAPTER, q2, remote=False, block=block).hit_tokens == 0  # B is empty here
+    cases = [(prompt(250, 23, seed=2), 250, 1),  # the partial chunk's keys with the full chunks'
+             (other_prompt(400, 23, seed=2), 400, 1),  # those after the last full chunk too
+             (other_prompt(400, 300, seed=2), 400, 2)]  # a partial chunk between full ones: a second trip
+    for i, (q2, prefix, trips_expected) in enumerate(cases):
+        b = hosts(f"b{i}", encrypt=encrypt)  # an empty instance
         end, records, trips = load(b, ADAPTER, q2, block)
         assert end == prefix // block * block, (prefix, block)
         assert trips == trips_expected
@@ -91,8 +94,8 @@ def test_a_second_instance_finds_a_short_prefix_through_redis_bit_exact(hosts: H
         # promoted with the aliases this lookup confirmed: found locally now
         local = b.lookup(ADAPTER, q2, remote=False, block=block)
         assert min(local.hit_tokens, (len(q2) - 1) // block * block) == end
-    st = tier_of(b).stats()
-    assert st.forged == st.foreign == st.torn == 0
+        st = tier_of(b).stats()
+        assert st.forged == st.foreign == st.torn == 0
 
 
 def test_adapter_salt_and_fingerprint_isolate_instances(hosts: Hosts) -> None:

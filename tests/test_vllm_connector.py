@@ -409,14 +409,15 @@ def test_load_policy_recomputes_a_prefix_that_a_slow_tier_would_load_too_slowly(
 def test_two_engines_share_chunks_through_a_redis_server(models: dict[str, Path], reference: dict,
                                                           tmp_path: Path, servers: Any) -> None:
     """Two engines on two stores (two hosts), one Redis server: the second hits what the
-    first computed, adapters and salts stay apart across hosts, and a frozen or dead server
+    first computed (short prefixes too, at the block), adapters and salts stay apart across
+    hosts, and a frozen or dead server
     costs misses (correct outputs, no long waits), never errors; when it is back, sharing
     resumes."""
     redis = servers()
     shared = {"remote_url": redis.url, "remote_key_prefix": "t", "remote_secret_file": str(secret_file(tmp_path))}
     first = Engine(models, tmp_path / "host1", **shared)
     try:
-        for p, a in (("P", "A"), ("Q", None), ("S", None)):
+        for p, a in (("P", "A"), ("Q", None), ("S", None), ("G1", "A"), ("G3", None)):
             out, cached = first.run(PROMPTS[p], a)
             assert cached == 0 and out == reference[(p, a)]
     finally:
@@ -426,6 +427,11 @@ def test_two_engines_share_chunks_through_a_redis_server(models: dict[str, Path]
         out, cached = second.run(P, "A")
         assert cached == 512 and out == reference[("P", "A")]  # from host 1, through Redis
         assert second.connector().loaded_chunks == 2
+        # short prefixes at the block, through Redis: the 250-token prefix's first block (an
+        # alias value of host 1's chunk), the 400-token one's chunk and its tail's block
+        assert second.run(G2, "A") == (reference[("G2", "A")], 128)
+        assert second.run(G4) == (reference[("G4", None)], 384)
+        assert second.run(G2, "B") == (reference[("G2", "B")], 0)  # another adapter: never host 1's
         for a in ("B", None):  # another adapter, the base model: never host 1's adapter KV
             out, cached = second.run(P, a)
             assert cached == 0 and out == reference[("P", a)]
