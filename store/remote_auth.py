@@ -31,6 +31,10 @@ keyed BLAKE3; in ``MODE_PLAIN``, 8 bytes of xxh3 that catch accidents only). ``M
 for a deployment that trusts every client that can write to its prefix
 (``remote.trust = "all-writers"``, no secret): names are then unkeyed digests and nothing is
 authenticated. A reader with a secret never accepts a plain value.
+
+An *alias value* (``seal_alias``: which record holds the leading tokens of a partial key) is
+framed and tagged the same way, with its own magic (``LMRA``) and purpose in the MAC, bound to
+its Redis name and the alias key.
 """
 
 from __future__ import annotations
