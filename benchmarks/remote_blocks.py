@@ -22,13 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from remote_io import Server  # noqa: E402
 
 from store import KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, record_key  # noqa: E402
 from store.config import RemoteConfig, TierConfig  # noqa: E402
+from testsupport.redis import Server, secret_file  # noqa: E402
 
 FMT = KVFormat("bfloat16", num_layers=30, num_kv_heads=3, head_dim=64, chunk_size=256)  # SmolLM2-135M
 NS = Namespace("bench", FMT, model_fingerprint="fp")
@@ -70,14 +68,12 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=200, help="lookups per variant per round")
     ap.add_argument("--saves", type=int, default=10, help="4k-token requests saved per variant per round")
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     a = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="remote-blocks-"))
-    secret = folder / "secret"
-    secret.write_text(hashlib.sha256(b"bench").hexdigest())
-    secret.chmod(0o600)
-    srv = Server(a.redis_server, folder, 4096 * MiB)
+    secret = secret_file(folder)
+    srv = Server(folder / "redis", "--maxmemory", str(4096 * MiB), "--maxmemory-policy", "noeviction")
     try:
+        srv.wait(srv.client)
         def store(name: str) -> Store:
             cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=4096 * MiB)},
                               remote=RemoteConfig(srv.url, key_prefix="bench", secret_file=str(secret),
