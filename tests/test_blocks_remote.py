@@ -79,7 +79,10 @@ def test_a_second_instance_finds_a_short_prefix_through_redis_bit_exact(hosts: H
     saved = save_request(a, ADAPTER, prompt(250, 6, seed=1), block)
     saved |= save_request(a, ADAPTER, other_prompt(400, 20, seed=3), block)
     r = hosts.redis.client()  # type: ignore[attr-defined]
-    assert any(n.endswith(b":a") for n in r.keys("test:*"))  # alias values went through
+    values = [r.get(n) or b"" for n in r.keys("test:*") if n.endswith(b":a")]
+    assert len(values) == (2 * 15 + 9 if block == 16 else 2)  # two chunks' boundaries and the tail's
+    for v in values:  # no record key, no token count in clear: a name and value link to nothing
+        assert not any(k in v or k[16:] in v for k in saved)
 
     cases = [(prompt(250, 23, seed=2), 250, 1),  # the partial chunk's keys with the full chunks'
              (other_prompt(400, 23, seed=2), 400, 1),  # those after the last full chunk too
