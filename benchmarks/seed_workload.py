@@ -68,7 +68,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is th
 import demo.engine  # noqa: E402,F401  (sets vLLM's environment before it is imported)
 from demo.engine import Engine  # noqa: E402
 from demo.models import make_lora, smollm2  # noqa: E402
-from tests.redis_server import Server, secret_file  # noqa: E402
+from testsupport.redis import Server, secret_file  # noqa: E402
 
 PLANNER_TOKENS = 350    # the planner's fixed prefix, about
 GENERATOR_TOKENS = 250  # the generator's fixed prefix, about
