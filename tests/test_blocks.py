@@ -16,6 +16,7 @@ import pytest
 from store import (
     AdapterIdentity,
     KVFormat,
+    LookupResult,
     Namespace,
     PutItem,
     Store,
@@ -65,7 +66,12 @@ def save_request(store: Store, ns: Namespace, tokens: list[int], block: int) -> 
 def load(store: Store, ns: Namespace, tokens: list[int], block: int) -> tuple[int, list[bytes]]:
     """Look up and read what the connector would load: the hit tokens (rounded down to a
     block, the last token always computed) and each record read, with its exact length."""
-    found = store.lookup(ns, tokens, block=block)
+    return read_found(store, store.lookup(ns, tokens, block=block), tokens, block)
+
+
+def read_found(store: Store, found: LookupResult, tokens: list[int], block: int) -> tuple[int, list[bytes]]:
+    """Read what ``found`` (a lookup of ``tokens``) lets the connector load: the hit tokens
+    rounded down to a block, the last token always computed, and each record read whole."""
     end = min(found.hit_tokens, (len(tokens) - 1) // block * block)
     cs = FMT.chunk_size
     want_keys, want_len = [], []

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from test_blocks import ADAPTER, BASE, FMT, PER_TOKEN, prompt, save_request
+from test_blocks import ADAPTER, BASE, FMT, PER_TOKEN, prompt, read_found, save_request
 
 from store import AdapterIdentity, Namespace, Store, boundary_keys, chain_hash
 from store.remote import RemoteTier
@@ -30,26 +30,13 @@ def tier_of(s: Store) -> RemoteTier:
 
 
 def load(store: Store, ns: Namespace, tokens: list[int], block: int) -> tuple[int, list[bytes], int]:
-    """What the connector would load (see test_blocks.load): the tokens, each record read
-    whole with its exact length, and the remote tier's round trips for the lookup."""
+    """What the connector would load (``test_blocks.load``: the tokens, each record read whole
+    with its exact length), and the remote tier's round trips for the lookup."""
     calls = tier_of(store).stats().calls
     found = store.lookup(ns, tokens, block=block)
     trips = tier_of(store).stats().calls - calls
-    end = min(found.hit_tokens, (len(tokens) - 1) // block * block)
-    cs = FMT.chunk_size
-    keys, lens = [], []
-    for c in range(-(-end // cs)):
-        if c < found.hit_chunks:
-            keys.append(found.keys[c])
-            lens.append(FMT.chunk_bytes)
-        else:
-            assert found.partial is not None and found.partial.chunk == c
-            keys.append(found.partial.key)
-            lens.append(found.partial.record_tokens * PER_TOKEN)
-    outs = [bytearray(FMT.chunk_bytes) for _ in keys]
-    infos = store.get_many_into(keys, outs, expect=lens)
-    assert all(i is not None for i in infos)
-    return end, [bytes(o[:n]) for o, n in zip(outs, lens, strict=True)], trips
+    end, records = read_found(store, found, tokens, block)
+    return end, records, trips
 
 
 def other_prompt(prefix: int, question: int, seed: int = 0) -> list[int]:
