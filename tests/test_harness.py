@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from testsupport.lmctl import ROOT, run, run_process
+from testsupport.vllm import server_env
 
 
 @pytest.mark.parametrize("argv", [
@@ -65,3 +66,17 @@ def test_demo_benchmarks_stress_and_testsupport_never_import_tests() -> None:
     found = {str(p.relative_to(ROOT)): hits for d in ("demo", "benchmarks", "stress", "testsupport")
              for p in sorted((ROOT / d).glob("*.py")) if (hits := imports_of_tests(p.read_text()))}
     assert found == {}
+
+
+def test_a_vllm_server_logs_at_info_whatever_an_earlier_import_set(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    # benchmarks/seed_workload.py and the demos quieten vLLM for their own output when imported;
+    # a server started later in the same process must still log (its metrics test reads the log)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    env = server_env(tmp_path)
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO" and env["VLLM_CONFIGURE_LOGGING"] == "1"
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and env["TMPDIR"] == str(tmp_path)
+    assert server_env(tmp_path, {"VLLM_LOGGING_LEVEL": "DEBUG"})["VLLM_LOGGING_LEVEL"] == "DEBUG"

@@ -7,6 +7,7 @@ cached tokens of the first requests after a restart and on a second instance.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,11 +56,14 @@ def test_quick_run_caches_the_fixed_prefixes_after_a_restart_and_on_a_second_ins
         assert steady[side]["cached_fraction"]["median"] > 0.4  # vLLM's own prefix cache serves the prefixes
     assert steady["ratio"]["median"] > 0
 
+    saved = dict(os.environ)  # the script quietens vLLM's log for its own run when imported
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from seed_workload import table
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+        os.environ.clear()
+        os.environ.update(saved)
     text = table(res)
     assert "(a) after a restart" in text and "(b) second instance" in text and "(c) 4 users, steady" in text
     assert f"lmctl chunk {chunk} tokens" in text

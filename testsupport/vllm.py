@@ -17,6 +17,23 @@ from .connector import connector_config
 from .lmctl import env_with_path
 from .ports import free_port
 
+# vLLM's own log at INFO on the server's stdout (its log file), whatever this process's
+# environment says: a script imported before (the demo, a benchmark) may have quietened it.
+SERVER_LOGGING = {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_LEVEL": "INFO",
+                  "VLLM_LOGGING_STREAM": "ext://sys.stdout"}
+
+
+def server_env(work: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this process's, with this checkout on PYTHONPATH, the engine
+    core in its own process, vLLM's IPC files in ``work``, vLLM's log as ``SERVER_LOGGING``
+    says; then ``env``."""
+    full = env_with_path()
+    full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process
+    full["TMPDIR"] = str(work)
+    full.update(SERVER_LOGGING)
+    full.update(env or {})
+    return full
+
 
 class VllmServer:
     """``vllm serve MODEL`` (float32, eager, no prefix caching: the engine computes what lmctl
@@ -33,10 +50,7 @@ class VllmServer:
                "--no-enable-prefix-caching", "--enforce-eager", *args]
         if store is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector_config(store, **settings))]
-        full = env_with_path()
-        full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process
-        full["TMPDIR"] = str(work)  # vLLM's IPC files stay in the caller's folder
-        full.update(env or {})
+        full = server_env(work, env)
         self.log_path = work / f"server-{self.port}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, env=full, stdout=self._log, stderr=subprocess.STDOUT, text=True)
