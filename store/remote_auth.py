@@ -321,9 +321,9 @@ class PieceCipher:
         return bytes(self._aead.encrypt(nonce, bytes(piece), ad))
 
     def opener(self, i: int) -> Any:
-        """A decryptor of piece ``i`` (``update_into(view, view)`` decrypts in place as the
-        bytes land; ``finalize_with_tag(tag)`` raises ``InvalidTag`` when they are not the
-        piece that was sealed)."""
+        """A decryptor of piece ``i`` (``update_into(data, out)`` decrypts as the bytes land,
+        into a buffer that does not overlap them; ``finalize_with_tag(tag)`` raises
+        ``InvalidTag`` when they are not the piece that was sealed)."""
         nonce, ad = self._nonce_ad(i)
         d = self._cipher(self._algo(self._key), self._gcm(nonce)).decryptor()
         d.authenticate_additional_data(ad)

@@ -32,6 +32,7 @@ MAX_STORED = 1 << 34
 MAX_PIECE_BYTES = 512 * MiB
 #: no head of ours is longer (its layout JSON is a few hundred bytes): a longer value is skipped unread
 MAX_HEAD = 64 * 1024
+_BLOCK = 16  # AES's block: cryptography's update_into may want this much room beyond the data
 # the head's metadata: stored_len, raw_len, piece_bytes, piece_count, codec, level, tokens,
 # written, writer, the payload's MAC (xxh3-64 in its first 8 bytes without a secret); then
 # the layout JSON
@@ -120,6 +121,7 @@ class Read:
     asked: int = 0  # the pieces the read asked for before it knew the chunk's count
     lane: Lane | None = None  # where the checks run (None: here, as the bytes land)
     forged_piece: str | None = None  # what the checks found (they may run on the lane)
+    plain: bytearray = field(default_factory=bytearray)  # where a piece is decrypted to
 
     @property
     def extra(self) -> int:
@@ -159,15 +161,22 @@ class Read:
         return None
 
     def land(self, view: memoryview) -> None:
-        """Bytes of a piece have arrived in ``view``: MAC them, or (encrypted) decrypt them in
-        place (its GCM tag authenticates them); on the read's lane when it has one."""
+        """Bytes of a piece have arrived in ``view``: MAC them, or (encrypted) decrypt them
+        where they lie (its GCM tag authenticates them); on the read's lane when it has one."""
         self._do(self._take, self.opener, view)
 
     def _take(self, opener: Any, view: memoryview) -> None:
         if opener is None:
             self.check.update(view)
         else:
-            opener.update_into(view, view)
+            # cryptography refuses overlapping buffers since 46 (and may write up to a block
+            # more than it is given): decrypt to a scratch buffer and copy back.
+            n = len(view)
+            if len(self.plain) < n + _BLOCK:
+                self.plain = bytearray(n + _BLOCK)
+            if opener.update_into(view, self.plain) != n:  # GCM is a stream: never
+                self.forged_piece = self.forged_piece or "a piece did not decrypt whole"
+            view[:] = memoryview(self.plain)[:n]
 
     def end_piece(self, i: int) -> None:
         """An encrypted piece's GCM tag has arrived (in ``gcm_tag``): check it, and MAC it
