@@ -33,6 +33,7 @@ from store.segment import ALIGN
 from store.tensors import to_dtype
 
 from .config import LAYOUTS
+from .cpu_threads import serial_torch
 from .stats import StatsRecorder
 
 log = logging.getLogger("lmctl.engine_hook")
@@ -226,6 +227,7 @@ class ChunkWriter:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        serial_torch()  # its copies stay off the engine's OpenMP threads (see cpu_threads)
         while True:
             try:
                 first = self._q.get(timeout=self.DROP_FLUSH_S)

@@ -27,6 +27,7 @@ import torch
 
 from store import open_shared, release_shared
 
+from .cpu_threads import serial_torch
 from .ops import LoadOp, SaveOp
 from .stats import StatsRecorder
 from .transfer import ChunkWriter, PagedKV, StagingPool, chunk_layout, chunk_nbytes, chunk_tensor
@@ -66,9 +67,13 @@ class LMCtlConnectorWorker:
         self._pool: StagingPool | None = None       # saves' staging buffers
         self._load_pool: StagingPool | None = None  # the loader's own
         self._writer: ChunkWriter | None = None
-        self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-load")
+        # serial_torch: a loader's scatter must not give it an OpenMP team of its own, which
+        # would slow every forward pass of a CPU engine (see cpu_threads)
+        self._loader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-load",
+                                          initializer=serial_torch)
         # reads ahead of the loaders' copies (one per loader: each keeps at most one in flight)
-        self._reader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-read")
+        self._reader = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="lmctl-read",
+                                          initializer=serial_torch)
         self.read_ahead = True
         self._lock = threading.Lock()
         self._local = threading.local()

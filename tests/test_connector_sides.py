@@ -432,3 +432,45 @@ def test_an_idle_step_waits_for_a_load_instead_of_spinning(
     assert worker.take_finished(10.0) == {"r2"}  # returns when the load finishes, not at the bound
     assert time.monotonic() - t0 < 5
     assert same_blocks(caches, [4, 5, 6, 7], [0, 1, 2, 3])
+
+
+def _native_threads() -> set[int]:
+    """This process's threads that Python did not start (an OpenMP team's are among them)."""
+    import os
+
+    ours = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - ours
+
+
+def test_the_connectors_threads_never_start_an_openmp_team_of_their_own(tmp_path: Path) -> None:
+    """A CPU engine's forward pass runs on an OpenMP team that spins between regions only
+    while OpenMP manages no more threads than there are CPUs. A scatter on a loader thread
+    used to give that thread a team of its own, for good: every later step of a 2-core
+    engine ran 10-20% slower (issue 23's steady state). Chunks here are large enough that
+    torch copies them in parallel when a thread lets it."""
+    fmt = KVFormat("float32", num_layers=2, num_kv_heads=8, head_dim=64, chunk_size=256)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(fmt.num_layers)]
+    block = 128
+    settings = ConnectorSettings.parse({"store_path": str(tmp_path / "store"), "chunk_size": 256,
+                                        "model_fingerprint": "off", "save_queue": 2})
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a 2-core engine runs with, whatever this machine has
+    w = LMCtlConnectorWorker(ConnectorContext(settings, "m", fmt, layers, block, None, None, {"engine": "test"}))
+    try:
+        caches = {n: torch.randn(6, fmt.num_kv_heads, block, 2 * fmt.head_dim) for n in layers}
+        w.register_kv_caches(caches)
+        torch.zeros(1 << 22).add_(1)  # this thread's own team exists before the count
+        before = _native_threads()
+        keys = Namespace("m", fmt).chunk_keys(list(range(300, 556)))
+        w.save([SaveOp("r1", keys[0], [0, 1])])
+        assert w.flush(30) and w.stats()["writer"]["saved"] == 1
+        w.load([LoadOp("r2", keys, [[2, 3]])])
+        finish(w, "r2")
+        assert same_blocks(caches, [2, 3], [0, 1])
+        started = _native_threads() - before
+        assert not started, f"the connector's threads started {len(started)} OpenMP thread(s)"
+        # and the engine's own thread keeps its width
+        assert torch.get_num_threads() == 2
+    finally:
+        w.close()
+        torch.set_num_threads(before_threads)
