@@ -396,6 +396,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32, metavar="TOKENS",
                     help="the engines' KV block size (default 32, the finest a CPU engine takes; "
                          "GPU engines use 16, vLLM's CPU default is 128)")
+    ap.add_argument("--steady-remote-write", choices=("always", "evict", "never"), default=None,
+                    help="the remote_write setting of the lmctl engine of the steady state (c) alone "
+                         "(default: the connector's default, always)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--work", default=str(ROOT / ".cache"), help="folder of the model and adapter")
     args = ap.parse_args()
@@ -467,7 +470,8 @@ def main() -> None:
         "users": args.users, "pipelines_per_user": pipelines,
         "prefix_tokens": {"planner": planner_fixed, "generator": generator_fixed},
         "prompt_tokens": {"planner": planner_fixed + QUESTION_TOKENS, "generator": generator_fixed + QUESTION_TOKENS},
-        "connector_settings": extra, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+        "connector_settings": extra, "steady_remote_write": args.steady_remote_write,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     t_start = time.perf_counter()
     try:
         redis.wait(redis.client)
@@ -537,7 +541,9 @@ def main() -> None:
         def burst() -> list[list[Request]]:
             return [[planner(args.planner_out), generator(args.generator_out)] for _ in range(args.users)]
 
-        steady = steady_state({"vllm": (None, None), "restart": (tmp / "instance-1", remote)},
+        steady_remote = remote if args.steady_remote_write is None else {
+            **remote, "remote_write": args.steady_remote_write}
+        steady = steady_state({"vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)},
                               str(model), str(adapter), args.block_size, max_len,
                               [warm_prompt(), [planner(1), generator(1)]], rounds * pipelines, burst)
         result["steady_bursts"] = rounds * pipelines
