@@ -262,6 +262,17 @@ def run(eng: Engine, users: list[list[Request]]) -> tuple[list[Done], float]:
     return done, time.perf_counter() - t0
 
 
+def make_engine(model: Path, store: Path | None, connector: dict[str, Any] | None, block_size: int,
+                max_len: int) -> Engine:
+    """An engine of this benchmark: lmctl's connector with ``connector``'s settings on
+    ``store``, or vLLM alone when ``store`` is None."""
+    # vLLM turns its hybrid KV cache manager off whenever a connector is configured; off in
+    # vLLM alone too, so that the connector is the engines' only difference
+    return Engine(model, store, max_model_len=max_len, lora=True, prefix_caching=True,
+                  connector=None if store is None else connector, disable_hybrid_kv_cache_manager=True,
+                  block_size=block_size)
+
+
 def _steady_engine(conn: Any, model: str, adapter: str, store: str | None, connector: dict[str, Any] | None,
                    block_size: int, max_len: int) -> None:
     """One engine of the steady state, in a process of its own: runs the batches of users
@@ -271,9 +282,7 @@ def _steady_engine(conn: Any, model: str, adapter: str, store: str | None, conne
     from vllm.lora.request import LoRARequest
 
     civil = LoRARequest(ADAPTER, 1, adapter)
-    eng = Engine(Path(model), None if store is None else Path(store), max_model_len=max_len, lora=True,
-                 prefix_caching=True, connector=connector, disable_hybrid_kv_cache_manager=True,
-                 block_size=block_size)
+    eng = make_engine(Path(model), None if store is None else Path(store), connector, block_size, max_len)
     try:
         conn.send("ready")
         while (batch := conn.recv()) is not None:
@@ -302,7 +311,7 @@ def steady_state(sides: dict[str, tuple[Path | None, dict[str, Any] | None]], mo
     procs: dict[str, tuple[Any, Any]] = {}
 
     def ask(side: str, batch: Any, timeout: float = 900) -> Any:
-        proc, conn = procs[side]
+        conn = procs[side][1]
         conn.send(batch)
         if not conn.poll(timeout):
             raise RuntimeError(f"the {side} engine of the steady state did not answer in {timeout:.0f} s")
@@ -313,8 +322,8 @@ def steady_state(sides: dict[str, tuple[Path | None, dict[str, Any] | None]], mo
         for side, (store, connector) in sides.items():
             here, there = ctx.Pipe()
             proc = ctx.Process(target=_steady_engine, daemon=True,
-                               args=(there, model, adapter, None if store is None else str(store),
-                                     connector if store is not None else None, block_size, max_len))
+                               args=(there, model, adapter, None if store is None else str(store), connector,
+                                     block_size, max_len))
             proc.start()
             procs[side] = (proc, here)
             try:  # one start-up at a time: they would fight for the cores
@@ -481,11 +490,7 @@ def main() -> None:
 
         def engine(mode: str, r: int) -> Engine:
             store = {"vllm": None, "restart": tmp / "instance-1", "second": tmp / f"instance-2-round-{r}"}[mode]
-            # vLLM turns its hybrid KV cache manager off whenever a connector is configured;
-            # off in vLLM alone too, so that the connector is the engines' only difference
-            return Engine(model, store, max_model_len=max_len, lora=True, prefix_caching=True,
-                          connector=None if store is None else remote, disable_hybrid_kv_cache_manager=True,
-                          block_size=args.block_size)
+            return make_engine(model, store, remote, args.block_size, max_len)
 
         # the first instance computes both prefixes once: its local store and Redis hold them
         eng = engine("restart", -1)

@@ -33,6 +33,9 @@ MAX_PIECE_BYTES = 512 * MiB
 #: no head of ours is longer (its layout JSON is a few hundred bytes): a longer value is skipped unread
 MAX_HEAD = 64 * 1024
 _BLOCK = 16  # AES's block: cryptography's update_into may want this much room beyond the data
+#: an encrypted piece is decrypted this much at a time, through a scratch buffer of this size
+#: (plus ``_BLOCK``): the memory a read holds for it does not grow with the sizes a value claims
+_SCRATCH = 256 * 1024
 # the head's metadata: stored_len, raw_len, piece_bytes, piece_count, codec, level, tokens,
 # written, writer, the payload's MAC (xxh3-64 in its first 8 bytes without a secret); then
 # the layout JSON
@@ -121,7 +124,7 @@ class Read:
     asked: int = 0  # the pieces the read asked for before it knew the chunk's count
     lane: Lane | None = None  # where the checks run (None: here, as the bytes land)
     forged_piece: str | None = None  # what the checks found (they may run on the lane)
-    plain: bytearray = field(default_factory=bytearray)  # where a piece is decrypted to
+    plain: bytearray = field(default_factory=bytearray)  # where a piece is decrypted to (``_SCRATCH``)
 
     @property
     def extra(self) -> int:
@@ -170,13 +173,15 @@ class Read:
             self.check.update(view)
         else:
             # cryptography refuses overlapping buffers since 46 (and may write up to a block
-            # more than it is given): decrypt to a scratch buffer and copy back.
-            n = len(view)
-            if len(self.plain) < n + _BLOCK:
-                self.plain = bytearray(n + _BLOCK)
-            if opener.update_into(view, self.plain) != n:  # GCM is a stream: never
-                self.forged_piece = self.forged_piece or "a piece did not decrypt whole"
-            view[:] = memoryview(self.plain)[:n]
+            # more than it is given): decrypt a slice at a time to a scratch buffer, copy back
+            if not self.plain:
+                self.plain = bytearray(_SCRATCH + _BLOCK)
+            plain = memoryview(self.plain)
+            for start in range(0, len(view), _SCRATCH):
+                part = view[start:start + _SCRATCH]
+                if opener.update_into(part, self.plain) != len(part):  # GCM is a stream: never
+                    self.forged_piece = self.forged_piece or "a piece did not decrypt whole"
+                part[:] = plain[:len(part)]
 
     def end_piece(self, i: int) -> None:
         """An encrypted piece's GCM tag has arrived (in ``gcm_tag``): check it, and MAC it

@@ -8,6 +8,7 @@ engine: vLLM's config and scheduler output are stood in for by plain objects.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -436,8 +437,6 @@ def test_an_idle_step_waits_for_a_load_instead_of_spinning(
 
 def _native_threads() -> set[int]:
     """This process's threads that Python did not start (an OpenMP team's are among them)."""
-    import os
-
     ours = {t.native_id for t in threading.enumerate()}
     return {int(t) for t in os.listdir("/proc/self/task")} - ours
 
