@@ -23,9 +23,11 @@ Cases, each with lmctl and without it (vLLM alone):
     prefix cache already holds both prefixes: throughput (requests per second). The two
     engines (vLLM alone, lmctl on the restarted store) are alive at once, each in a process
     of its own, and take turns in short bursts (one planner and one generator request per
-    user), A B, B A, ...: 4 bursts per round each, after one untimed burst. Throughput is all
-    of a side's requests over all of its bursts' time; the bursts' own ratios are reported
-    too, as the spread.
+    user), A B, B A, ...: 8 bursts each, after one untimed burst. Each round starts a new
+    pair of processes (which side starts and goes first alternates): two processes of one
+    and the same engine can differ by 5% or more for their whole life, so no side rests on
+    one process. Throughput is all of a side's requests over all of its bursts' time; the
+    bursts' own ratios are reported too, as the spread.
 
 Without lmctl, (a) and (b) are the same thing: a fresh engine with an empty prefix cache; one
 such engine per round is the baseline of both. Each round starts the three engines (vLLM
@@ -143,14 +145,17 @@ ASKS = ["What can they do?", "Who pays?", "Is that allowed?", "What are the dead
 QUESTION_TOKENS = 31
 #: no two questions of a run share their first this many tokens, so that no cache, vLLM's or
 #: lmctl's, can hit a block or chunk holding the start of a question another request asked
-UNIQUE_HEAD = 8
+#: (a block boundary falls 4 or more tokens into the question at 16- and 32-token blocks, and
+#: two questions that differ in their first 4 tokens differ in any longer head)
+UNIQUE_HEAD = 4
 
 
 def question(seed: int) -> str:
-    """A short user question (about 25 tokens), starting differently for most seeds."""
+    """A short user question (about 25 tokens), opening with a case number: its digits make
+    questions start differently (a run asks hundreds of them)."""
     rng = random.Random(seed)
     topic = rng.choice(TOPICS).format(n=rng.randrange(2, 60))
-    return f"{rng.choice(NAMES)} in {rng.choice(CITIES)} (file {seed}): {topic}. {rng.choice(ASKS)}"
+    return f"{rng.randrange(100000, 1000000)}. {rng.choice(NAMES)} in {rng.choice(CITIES)}: {topic}. {rng.choice(ASKS)}"
 
 
 class Questions:
@@ -396,7 +401,7 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=4, help="concurrent users in the steady state")
     ap.add_argument("--pipelines", type=int, default=None,
                     help="steady-state bursts per round and side; in each, every user sends a planner "
-                         "then a generator request (default 4; --quick 1)")
+                         "then a generator request (default 8; --quick 1)")
     ap.add_argument("--planner-out", type=int, default=16, help="tokens the planner generates")
     ap.add_argument("--generator-out", type=int, default=32, help="tokens the generator generates")
     ap.add_argument("--quick", action="store_true", help="one round, a short steady state: a smoke test")
@@ -412,7 +417,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / ".cache"), help="folder of the model and adapter")
     args = ap.parse_args()
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    pipelines = args.pipelines if args.pipelines is not None else (1 if args.quick else 4)
+    pipelines = args.pipelines if args.pipelines is not None else (1 if args.quick else 8)
     if rounds < 1 or args.users < 1 or pipelines < 1:
         ap.error("--rounds, --users and --pipelines must be at least 1")
     if args.block_size < 32 or args.block_size & (args.block_size - 1):
@@ -548,9 +553,17 @@ def main() -> None:
 
         steady_remote = remote if args.steady_remote_write is None else {
             **remote, "remote_write": args.steady_remote_write}
-        steady = steady_state({"vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)},
-                              str(model), str(adapter), args.block_size, max_len,
-                              [warm_prompt(), [planner(1), generator(1)]], rounds * pipelines, burst)
+        # a new pair of engine processes in each round: two processes of the same engine differ
+        # by several percent from one start to the next (where their memory lands), more than
+        # the goal's 3%, so no side's figure may rest on one process
+        steady: dict[str, list[dict[str, float]]] = {"vllm": [], "restart": []}
+        for r in range(rounds):
+            sides = {"vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)}
+            names = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            got = steady_state({n: sides[n] for n in names}, str(model), str(adapter), args.block_size,
+                               max_len, [warm_prompt(), [planner(1), generator(1)]], pipelines, burst)
+            for n in names:
+                steady[n].extend(got[n])
         result["steady_bursts"] = rounds * pipelines
         tp = [b["req_per_s"] / a["req_per_s"] for a, b in zip(steady["vllm"], steady["restart"], strict=True)]
         cases["steady"] = {
