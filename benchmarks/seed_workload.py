@@ -300,10 +300,10 @@ def _steady_engine(conn: Any, model: str, adapter: str, store: str | None, conne
 
 def steady_state(sides: dict[str, tuple[Path | None, dict[str, Any] | None]], model: str, adapter: str,
                  block_size: int, max_len: int, warm: list[list[Request]], bursts: int,
-                 burst: Callable[[], list[list[Request]]]) -> dict[str, list[dict[str, float]]]:
+                 burst: Callable[[], list[list[Request]]], untimed: int = 1) -> dict[str, list[dict[str, float]]]:
     """(c): one engine per side (store and connector settings; None: vLLM alone), each in a
     process of its own and all alive at once, started one after the other; each first runs
-    ``warm`` (one batch after another) and one burst, untimed, then the sides take turns running a new
+    ``warm`` (one batch after another) and ``untimed`` bursts, untimed, then the sides take turns running a new
     ``burst()`` each, ``bursts`` times, in alternating order (A B, B A, ...), so that the
     machine's drift from one minute to the next meets both alike. Returns each side's
     figures per burst."""
@@ -340,7 +340,8 @@ def steady_state(sides: dict[str, tuple[Path | None, dict[str, Any] | None]], mo
                                    f"(exit code {proc.exitcode})") from None
             for batch in warm:
                 ask(side, plain([batch]))
-            ask(side, plain(burst()))  # untimed: an engine's first bursts run slower, with or without lmctl
+            for _ in range(untimed):  # an engine's first bursts run slower, with or without lmctl
+                ask(side, plain(burst()))
         names = list(sides)
         for k in range(bursts):
             for side in (names if k % 2 == 0 else names[::-1]):
@@ -402,6 +403,8 @@ def main() -> None:
     ap.add_argument("--pipelines", type=int, default=None,
                     help="steady-state bursts per round and side; in each, every user sends a planner "
                          "then a generator request (default 8; --quick 1)")
+    ap.add_argument("--untimed-bursts", type=int, default=1, metavar="N",
+                    help="bursts each engine of the steady state runs before the timed ones (default 1)")
     ap.add_argument("--planner-out", type=int, default=16, help="tokens the planner generates")
     ap.add_argument("--generator-out", type=int, default=32, help="tokens the generator generates")
     ap.add_argument("--quick", action="store_true", help="one round, a short steady state: a smoke test")
@@ -418,8 +421,8 @@ def main() -> None:
     args = ap.parse_args()
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     pipelines = args.pipelines if args.pipelines is not None else (1 if args.quick else 8)
-    if rounds < 1 or args.users < 1 or pipelines < 1:
-        ap.error("--rounds, --users and --pipelines must be at least 1")
+    if rounds < 1 or args.users < 1 or pipelines < 1 or args.untimed_bursts < 0:
+        ap.error("--rounds, --users and --pipelines must be at least 1, --untimed-bursts at least 0")
     if args.block_size < 32 or args.block_size & (args.block_size - 1):
         ap.error(f"--block-size {args.block_size}: a CPU engine takes a power of two from 32 up (32, 64, 128)")
     extra: dict[str, Any] = {}
@@ -485,6 +488,7 @@ def main() -> None:
         "prefix_tokens": {"planner": planner_fixed, "generator": generator_fixed},
         "prompt_tokens": {"planner": planner_fixed + QUESTION_TOKENS, "generator": generator_fixed + QUESTION_TOKENS},
         "connector_settings": extra, "steady_remote_write": args.steady_remote_write,
+        "untimed_bursts": args.untimed_bursts,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     t_start = time.perf_counter()
     try:
@@ -561,7 +565,8 @@ def main() -> None:
             sides = {"vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)}
             names = list(sides) if r % 2 == 0 else list(sides)[::-1]
             got = steady_state({n: sides[n] for n in names}, str(model), str(adapter), args.block_size,
-                               max_len, [warm_prompt(), [planner(1), generator(1)]], pipelines, burst)
+                               max_len, [warm_prompt(), [planner(1), generator(1)]], pipelines, burst,
+                               args.untimed_bursts)
             for n in names:
                 steady[n].extend(got[n])
         result["steady_bursts"] = rounds * pipelines
@@ -619,7 +624,7 @@ def table(res: dict[str, Any]) -> str:
     r = s["ratio"]
     lines.append(f"{'(c) ' + str(res['users']) + ' users, steady':24}{'req/s':10} "
                  f"{rate(s['vllm']):>24} {rate(s['lmctl']):>24}   "
-                 f"{s['throughput_ratio']:10.2f}  >= 0.97 {'met' if s['met'] else 'NOT met'} "
+                 f"{s['throughput_ratio']:10.3f}  >= 0.97 {'met' if s['met'] else 'NOT met'} "
                  f"(bursts: median {r['median']:.2f}, {r['min']:.2f}-{r['max']:.2f})")
     return "\n".join(lines)
 
