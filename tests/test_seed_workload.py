@@ -77,9 +77,46 @@ def test_bad_arguments_are_one_line_and_exit_2() -> None:
                        (["--set", "chunk_size"], "write KEY=VALUE"),
                        (["--set", "remote_url=redis://127.0.0.1:1/0"], "chooses store_path and the remote_*"),
                        (["--rounds", "0"], "at least 1"),
+                       (["--untimed-bursts", "-1"], "--untimed-bursts at least 0"),
                        (["--block-size", "16"], "a power of two from 32 up"),
                        (["--block-size", "48"], "a power of two from 32 up")):
         r = _run(*args, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
         assert says in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stdout == ""
+
+
+def test_a_default_run_has_enough_questions_that_start_differently() -> None:
+    """A default run asks about 230 planner and 230 generator questions; no two may share the
+    block that holds their start, or a cache could serve a question (the old questions ran out
+    of distinct starts past about 300)."""
+    saved = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import seed_workload as sw
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        os.environ.clear()
+        os.environ.update(saved)
+    from transformers import AutoTokenizer
+
+    from demo.models import smollm2
+
+    tok = AutoTokenizer.from_pretrained(smollm2(ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
+    planner_sys, planner_fixed = sw.fixed_prefix(tok, sw.PLANNER_RULES, sw.PLANNER_TOKENS)
+    generator_sys, generator_fixed = sw.fixed_prefix(tok, sw.GENERATOR_RULES, sw.GENERATOR_TOKENS)
+    seen: set[tuple[int, ...]] = set()
+    kinds = [(sw.Questions(tok, planner_sys, planner_fixed, seen, 1000), planner_fixed),
+             (sw.Questions(tok, generator_sys, generator_fixed, seen, 1 << 20), generator_fixed)]
+    heads = []
+    for _ in range(400):
+        for q, fixed in kinds:
+            ids = q.next()
+            assert len(ids) == fixed + sw.QUESTION_TOKENS
+            heads.append(tuple(ids[fixed : fixed + 4]))
+    # the first block boundary after either fixed part falls 4 or more tokens into the question
+    # (at 16- and 32-token blocks), so distinct 4-token heads mean distinct blocks
+    assert len(set(heads)) == len(heads) == 800
+    for fixed in (planner_fixed, generator_fixed):
+        for block in (16, 32):
+            assert -fixed % block >= 4 or -fixed % block == 0
