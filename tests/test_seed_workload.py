@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from conftest import ROOT, env_with_path
@@ -20,6 +21,20 @@ SCRIPT = str(ROOT / "benchmarks" / "seed_workload.py")
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env_with_path(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _benchmark() -> Any:
+    """The benchmark's module, imported here (it quietens vLLM's log for its own run when
+    imported: the environment is put back)."""
+    saved = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import seed_workload
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        os.environ.clear()
+        os.environ.update(saved)
+    return seed_workload
 
 
 @pytest.mark.slow
@@ -59,15 +74,7 @@ def test_quick_run_caches_the_fixed_prefixes_after_a_restart_and_on_a_second_ins
     assert steady["ratio"]["median"] > 0 and steady["throughput_ratio"] > 0
     assert steady["met"] == (steady["throughput_ratio"] >= 0.97)
 
-    saved = dict(os.environ)  # the script quietens vLLM's log for its own run when imported
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from seed_workload import table
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        os.environ.clear()
-        os.environ.update(saved)
-    text = table(res)
+    text = _benchmark().table(res)
     assert "(a) after a restart" in text and "(b) second instance" in text and "(c) 4 users, steady" in text
     assert f"lmctl chunk {chunk} tokens" in text
 
@@ -90,14 +97,7 @@ def test_a_default_run_has_enough_questions_that_start_differently() -> None:
     """A default run asks about 230 planner and 230 generator questions; no two may share the
     block that holds their start, or a cache could serve a question (the old questions ran out
     of distinct starts past about 300)."""
-    saved = dict(os.environ)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import seed_workload as sw
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        os.environ.clear()
-        os.environ.update(saved)
+    sw = _benchmark()
     from transformers import AutoTokenizer
 
     from demo.models import smollm2
