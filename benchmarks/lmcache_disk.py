@@ -23,8 +23,11 @@ Per contender and chunk shape, in one round (``--total-mib`` of chunks):
         request's prefix): lmctl ``Store.get_many_into`` into reused page-aligned buffers
         (one region whose pages were written in order, as an engine's staging pool; the raw
         reads get the same, see ``store_io.buffers``), verified by checksum; LMCache
-        ``batched_get_blocking`` (buffers from its allocator, freed after each batch); raw:
-        O_DIRECT reads of whole chunks, 1, 2, 4 and 8 in flight (the best is taken)
+        ``batched_get_blocking`` (buffers from its allocator, freed after each batch but the
+        last, which is compared byte for byte with what was put once the clock stops: LMCache
+        checks nothing itself); raw: O_DIRECT reads of whole chunks, 1, 2, 4 and 8 in flight
+        (the best is taken). Each get also reports the bytes its process read from the block
+        device per byte got (``/proc/self/io``): under 1 would mean the page cache served it
 
 Ratios are taken within each round (lmctl / LMCache, lmctl / best raw) and reported as the
 median and range over rounds, with GB/s medians.
@@ -98,13 +101,13 @@ def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> d
     # parallel into blocks allocated as they arrive scatter a file: store.segment.reserve)
     out["put_qd4_prealloc"] = raw_write(path, src, size, count, put_batch, 4, True)
     bufs = buffers(size, 8)
-    disk = 0
+    disk = []
     for depth in (1, 2, 4, 8):
         drop_caches()
         before = read_bytes()
         out[f"get_qd{depth}"] = raw_read(path, bufs, size, count, depth)
-        disk = min(disk or 1 << 62, read_bytes() - before)
-    out["get_disk_fraction"] = disk / (size * count)
+        disk.append(read_bytes() - before)
+    out["get_disk_fraction"] = min(disk) / (size * count)
     out["put"] = max(v for k, v in out.items() if k.startswith("put_"))
     out["get"] = max(v for k, v in out.items() if k.startswith("get_"))
     return out

@@ -23,7 +23,7 @@ Cases, each with lmctl and without it (vLLM alone):
     prefix cache already holds both prefixes: throughput (requests per second). The two
     engines (vLLM alone, lmctl on the restarted store) are alive at once, each in a process
     of its own, and take turns in short bursts (one planner and one generator request per
-    user), A B, B A, ...: 8 bursts each, after one untimed burst. Each round starts a new
+    user), A B, B A, ...: 8 bursts per round each (``--pipelines``), after one untimed burst. Each round starts a new
     pair of processes (which side starts and goes first alternates): two processes of one
     and the same engine can differ by 5% or more for their whole life, so no side rests on
     one process. Throughput is all of a side's requests over all of its bursts' time; the
@@ -363,6 +363,7 @@ def steady_state(sides: dict[str, tuple[Path | None, dict[str, Any] | None]], mo
             proc.join(120)
             if proc.is_alive():
                 proc.kill()
+                proc.join(10)  # the next round's engine opens the same store
     return out
 
 
@@ -453,6 +454,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     planner_sys, planner_fixed = fixed_prefix(tok, PLANNER_RULES, PLANNER_TOKENS)
     generator_sys, generator_fixed = fixed_prefix(tok, GENERATOR_RULES, GENERATOR_TOKENS)
+    for fixed in (planner_fixed, generator_fixed):  # chunk boundaries are block boundaries too
+        if 0 < -fixed % args.block_size < UNIQUE_HEAD:
+            sys.exit(f"seed_workload.py: error: a {args.block_size}-token block ends {-fixed % args.block_size} "
+                     f"token(s) into the question after a fixed part of {fixed} tokens: questions could share "
+                     f"that block (they differ only from their first {UNIQUE_HEAD} tokens on)")
     civil = LoRARequest(ADAPTER, 1, str(adapter))
     seen: set[tuple[int, ...]] = set()
     planners = Questions(tok, planner_sys, planner_fixed, seen, 1000)
@@ -624,7 +630,7 @@ def table(res: dict[str, Any]) -> str:
     r = s["ratio"]
     lines.append(f"{'(c) ' + str(res['users']) + ' users, steady':24}{'req/s':10} "
                  f"{rate(s['vllm']):>24} {rate(s['lmctl']):>24}   "
-                 f"{s['throughput_ratio']:10.3f}  >= 0.97 {'met' if s['met'] else 'NOT met'} "
+                 f"{s['throughput_ratio']:10.4f}  >= 0.97 {'met' if s['met'] else 'NOT met'} "
                  f"(bursts: median {r['median']:.2f}, {r['min']:.2f}-{r['max']:.2f})")
     return "\n".join(lines)
 
