@@ -1,7 +1,7 @@
 """The seeds' workload: a planner and a LoRA generator with short fixed prefixes, with and
 without lmctl, vLLM's own prefix cache on.
 
-    .venv/bin/python benchmarks/seed_workload.py [--rounds 3] [--quick] [--json] [--block-size 32]
+    .venv/bin/python benchmarks/seed_workload.py [--rounds 6] [--quick] [--json] [--block-size 32]
                                                   [--set chunk_size=128]
 
 One vLLM engine (CPU, one process, SmolLM2-135M-Instruct in float32, see demo/models.py)
@@ -23,10 +23,11 @@ Cases, each with lmctl and without it (vLLM alone):
     prefix cache already holds both prefixes: throughput (requests per second). The two
     engines (vLLM alone, lmctl on the restarted store) are alive at once, each in a process
     of its own, and take turns in short bursts (one planner and one generator request per
-    user), A B, B A, ...: 8 bursts per round each (``--pipelines``), after one untimed burst. Each round starts a new
-    pair of processes (which side starts and goes first alternates): two processes of one
-    and the same engine can differ by 5% or more for their whole life, so no side rests on
-    one process. Throughput is all of a side's requests over all of its bursts' time; the
+    user), A B, B A, ...: 4 bursts per round each (``--pipelines``), after one untimed
+    burst. Each round starts a new pair of processes (which side starts and goes first
+    alternates): two processes of one and the same engine can differ by 5% or more for
+    their whole life, so no side rests on one process, and 6 rounds of 4 bursts cancel that
+    better than 3 of 8. Throughput is all of a side's requests over all of its bursts' time; the
     bursts' own ratios are reported too, as the spread.
 
 Without lmctl, (a) and (b) are the same thing: a fresh engine with an empty prefix cache; one
@@ -399,11 +400,13 @@ def summary(xs: list[float]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of the three engines (default 3; --quick 1)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds of the three engines and of the steady state's pair of engines "
+                         "(default 6; --quick 1)")
     ap.add_argument("--users", type=int, default=4, help="concurrent users in the steady state")
     ap.add_argument("--pipelines", type=int, default=None,
                     help="steady-state bursts per round and side; in each, every user sends a planner "
-                         "then a generator request (default 8; --quick 1)")
+                         "then a generator request (default 4; --quick 1)")
     ap.add_argument("--untimed-bursts", type=int, default=1, metavar="N",
                     help="bursts each engine of the steady state runs before the timed ones (default 1)")
     ap.add_argument("--planner-out", type=int, default=16, help="tokens the planner generates")
@@ -420,8 +423,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--work", default=str(ROOT / ".cache"), help="folder of the model and adapter")
     args = ap.parse_args()
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    pipelines = args.pipelines if args.pipelines is not None else (1 if args.quick else 8)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 6)
+    pipelines = args.pipelines if args.pipelines is not None else (1 if args.quick else 4)
     if rounds < 1 or args.users < 1 or pipelines < 1 or args.untimed_bursts < 0:
         ap.error("--rounds, --users and --pipelines must be at least 1, --untimed-bursts at least 0")
     if args.block_size < 32 or args.block_size & (args.block_size - 1):

@@ -94,7 +94,7 @@ def test_bad_arguments_are_one_line_and_exit_2() -> None:
 
 
 def test_a_default_run_has_enough_questions_that_start_differently() -> None:
-    """A default run asks about 230 planner and 230 generator questions; no two may share the
+    """A default run asks about 270 planner and 270 generator questions; no two may share the
     block that holds their start, or a cache could serve a question (the old questions ran out
     of distinct starts after about 315)."""
     sw = _benchmark()
