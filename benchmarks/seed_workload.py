@@ -151,6 +151,13 @@ QUESTION_TOKENS = 31
 UNIQUE_HEAD = 4
 
 
+def head_in_block(fixed: int, block: int) -> int:
+    """How many of a question's first tokens share a ``block``-token block with the last of a
+    ``fixed``-token part (0: the question starts a block). Under ``UNIQUE_HEAD`` but over 0,
+    two questions could share that block, and a cache could serve it."""
+    return -fixed % block
+
+
 def question(seed: int) -> str:
     """A short user question (about 25 tokens), opening with a case number: its digits make
     questions start differently (a run asks hundreds of them)."""
@@ -458,8 +465,8 @@ def main() -> None:
     planner_sys, planner_fixed = fixed_prefix(tok, PLANNER_RULES, PLANNER_TOKENS)
     generator_sys, generator_fixed = fixed_prefix(tok, GENERATOR_RULES, GENERATOR_TOKENS)
     for fixed in (planner_fixed, generator_fixed):  # chunk boundaries are block boundaries too
-        if 0 < -fixed % args.block_size < UNIQUE_HEAD:
-            sys.exit(f"seed_workload.py: error: a {args.block_size}-token block ends {-fixed % args.block_size} "
+        if 0 < (head := head_in_block(fixed, args.block_size)) < UNIQUE_HEAD:
+            sys.exit(f"seed_workload.py: error: a {args.block_size}-token block ends {head} "
                      f"token(s) into the question after a fixed part of {fixed} tokens: questions could share "
                      f"that block (they differ only from their first {UNIQUE_HEAD} tokens on)")
     civil = LoRARequest(ADAPTER, 1, str(adapter))
@@ -569,9 +576,10 @@ def main() -> None:
         # a new pair of engine processes in each round: two processes of the same engine differ
         # by several percent from one start to the next (where their memory lands), more than
         # the goal's 3%, so no side's figure may rest on one process
-        steady: dict[str, list[dict[str, float]]] = {"vllm": [], "restart": []}
+        sides: dict[str, tuple[Path | None, dict[str, Any] | None]] = {
+            "vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)}
+        steady: dict[str, list[dict[str, float]]] = {n: [] for n in sides}
         for r in range(rounds):
-            sides = {"vllm": (None, None), "restart": (tmp / "instance-1", steady_remote)}
             names = list(sides) if r % 2 == 0 else list(sides)[::-1]
             got = steady_state({n: sides[n] for n in names}, str(model), str(adapter), args.block_size,
                                max_len, [warm_prompt(), [planner(1), generator(1)]], pipelines, burst,

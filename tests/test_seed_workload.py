@@ -113,10 +113,10 @@ def test_a_default_run_has_enough_questions_that_start_differently() -> None:
         for q, fixed in kinds:
             ids = q.next()
             assert len(ids) == fixed + sw.QUESTION_TOKENS
-            heads.append(tuple(ids[fixed : fixed + 4]))
-    # the first block boundary after either fixed part falls 4 or more tokens into the question
-    # (at 16- and 32-token blocks), so distinct 4-token heads mean distinct blocks
-    assert len(set(heads)) == len(heads) == 800
+            heads.append(tuple(ids[fixed : fixed + sw.UNIQUE_HEAD]))
+    # the first block boundary after either fixed part falls UNIQUE_HEAD (4) or more tokens into
+    # the question (at 16- and 32-token blocks), so distinct heads mean distinct blocks
+    assert sw.UNIQUE_HEAD == 4 and len(set(heads)) == len(heads) == 800
     for fixed in (planner_fixed, generator_fixed):
         for block in (16, 32):
-            assert -fixed % block >= 4 or -fixed % block == 0
+            assert not 0 < sw.head_in_block(fixed, block) < sw.UNIQUE_HEAD
