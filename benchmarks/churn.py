@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from store import MiB, PutItem, Store, StoreConfig, TierConfig  # noqa: E402
 from store.clock import ManualClock  # noqa: E402
-from store.keys import KEY_BYTES  # noqa: E402
+from store.format.keys import KEY_BYTES  # noqa: E402
 
 POLICIES = ("lru", "segment")
 #: the goals (issue 22, item 2)
@@ -261,7 +261,7 @@ def run_trace(name: str, trace: Trace, cfg: StoreConfig, g: Geometry, seed: int,
                 store.flush()  # access times reach the index: eviction sees this request
                 missing = req.keys[found:]
                 if req.pin and cfg.admit != "all":  # an ops script pinning a document it sends: a pin
-                    store.pin("benchmark", req.keys)  # made first is always admitted (store/admission.py)
+                    store.pin("benchmark", req.keys)  # made first is always admitted (store/tiers/admission.py)
                 if missing:  # an engine's save: admission decides what reaches the tier
                     store.save_many([PutItem(k, data, LAYOUT) for k in missing])
                 if req.pin:
@@ -291,7 +291,7 @@ def simulate_lru(name: str, trace: Trace, g: Geometry, seed: int, low_watermark:
     A reference for the two real policies, not a store."""
     from collections import OrderedDict
 
-    from store.segment import record_len
+    from store.format.record import record_len
 
     res = Result(name, "lru-sim", seed)
     rec = record_len(g.chunk_bytes)

@@ -50,9 +50,9 @@ from store_io import SHAPES, chunk_bytes, fill_bf16  # noqa: E402
 
 from lmctl.ops import Job, op_drain  # noqa: E402
 from store import GiB, KVFormat, Namespace, PutItem, Store, StoreConfig, TierConfig  # noqa: E402
-from store.codec import CODEC_NAMES  # noqa: E402
 from store.config import RemoteConfig  # noqa: E402
-from store.remote import RemoteMeta  # noqa: E402
+from store.format.codec import CODEC_NAMES  # noqa: E402
+from store.tiers.remote import RemoteMeta  # noqa: E402
 
 MiB = 1 << 20
 

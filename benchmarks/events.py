@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from store import AdapterIdentity, KVFormat, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
-from store.keys import chunk_keys, prefix_ids
+from store.format.keys import chunk_keys, prefix_ids
 
 FMT = KVFormat("uint8", num_layers=1, num_kv_heads=1, head_dim=256, chunk_size=16)  # 8 KiB chunks
 

@@ -5,7 +5,7 @@
 Writes one file of ``--chunks`` 32 MiB chunks (sequentially, O_DIRECT), then per round and
 per read pattern (one whole chunk in flight, four, 4 MiB requests four in flight, 1 MiB
 requests eight in flight) drops the page cache and reads the file into a region of each
-kind of memory (``store.memory.Region`` with and without ``MADV_HUGEPAGE``), the two kinds
+kind of memory (``store.format.memory.Region`` with and without ``MADV_HUGEPAGE``), the two kinds
 alternating and their order flipping from round to round. Reports GB/s and the per-round
 ratio huge / small for each pattern (docs/performance.md, "The destination's pages").
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store.memory import Region  # noqa: E402
+from store.format.memory import Region  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from store_io import drop_caches  # noqa: E402

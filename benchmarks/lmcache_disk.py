@@ -98,7 +98,7 @@ def run_raw(d: Path, size: int, count: int, put_batch: int, get_batch: int) -> d
     for depth in (1, 4, 8):
         out[f"put_qd{depth}"] = raw_write(path, src, size, count, put_batch, depth, False)
     # last, so that the reads below read a file laid out in few extents (pieces written in
-    # parallel into blocks allocated as they arrive scatter a file: store.segment.reserve)
+    # parallel into blocks allocated as they arrive scatter a file: store.format.segment.reserve)
     out["put_qd4_prealloc"] = raw_write(path, src, size, count, put_batch, 4, True)
     bufs = buffers(size, 8)
     disk = []

@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/mac_speed.py [--mib 4] [--repeats 7]
 
 For xxh3-64 (a tier without a secret), keyed BLAKE3 (the head's MAC, and the payload's
-before format 4) and the payload's GMAC (``store.remote_auth.PayloadMac``), the best of
+before format 4) and the payload's GMAC (``store.format.remote_auth.PayloadMac``), the best of
 ``--repeats`` passes over a buffer of ``--mib`` MiB, fed in spans of 16 KiB, 64 KiB, 256 KiB
-(what a read gives them: ``store.resp.STEP``) and the whole buffer at once: nanoseconds per
+(what a read gives them: ``store.tiers.resp.STEP``) and the whole buffer at once: nanoseconds per
 byte and GB/s. One core; nothing else is timed.
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import blake3  # noqa: E402
 import xxhash  # noqa: E402
 
-from store.remote_auth import PayloadMac  # noqa: E402
+from store.format.remote_auth import PayloadMac  # noqa: E402
 
 KiB = 1 << 10
 

@@ -71,7 +71,7 @@ import redis.utils  # noqa: E402
 import xxhash  # noqa: E402
 from store_io import SHAPES, chunk_bytes, fill_bf16  # noqa: E402
 
-from store.remote import RemoteMeta, RemoteTier  # noqa: E402
+from store.tiers.remote import RemoteMeta, RemoteTier  # noqa: E402
 from testsupport.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
@@ -151,7 +151,7 @@ def tier_pair(url: str, src: mmap.mmap, size: int, count: int, piece: int, tag: 
     out[:] = b"\0" * size  # touched before the clock starts, as a reused one is
     keys = [key(tag, i) for i in range(count)]
     # the checksum comes with the chunk, as the store's index gives it when it pushes chunks
-    # (store/sharing.py); without it put would hash the bytes first (xxh3, about 26 GB/s a core)
+    # (store/tiers/sharing.py); without it put would hash the bytes first (xxh3, about 26 GB/s a core)
     meta = RemoteMeta(raw_len=size, layout={"dtype": "bfloat16", "shape": [size // 2]}, tokens=256,
                       checksum=xxhash.xxh3_64_intdigest(data))
     trust: dict[str, Any] = {"trust": "all-writers"} if mode == "tier" else {"secret_file": secret,

@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-import store.segment as segment  # noqa: E402
+import store.format.segment as segment  # noqa: E402
 from store import GiB, MiB, PutItem, Store, StoreConfig, TierConfig  # noqa: E402
-from store.memory import Region, huge_region  # noqa: E402
-from store.segment import supports_direct_io  # noqa: E402
+from store.format.memory import Region, huge_region  # noqa: E402
+from store.format.segment import supports_direct_io  # noqa: E402
 
 SHAPES = {
     # 8B-class model (32 layers, 8 KV heads, head dim 128), 256 tokens, bf16: 32 MiB
@@ -68,7 +68,7 @@ Buf = memoryview | mmap.mmap
 def buffers(size: int, count: int) -> list[memoryview]:
     """``count`` page-aligned buffers of ``size`` bytes carved from one region on huge pages
     (where the kernel gives them; else small pages written in order), as the engine's
-    staging pool holds them (``store.memory.Region``). Measured on this disk: O_DIRECT into
+    staging pool holds them (``store.format.memory.Region``). Measured on this disk: O_DIRECT into
     buffers mapped one by one, or faulted in by the reading threads, runs up to 1.9x slower
     than into such a region (the destination's physical pages decide how many segments
     each request needs; a request here carries at most 254), so every contender but

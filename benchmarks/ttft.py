@@ -91,7 +91,7 @@ def throughput(eng: Engine, batch: list[list[int]], out_tokens: int) -> float:
 def floor(model: Path, tok: Any, store_path: Path, sizes: list[int], repeats: int, result: dict[str, Any]) -> None:
     """vLLM's own prefix-cache hit and the store's raw read of the same bytes, per size."""
     from store import open_shared, release_shared
-    from store.segment import ALIGN
+    from store.format.record import ALIGN
 
     store = open_shared(store_path)
     try:

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from store import MiB, Namespace, Store, StoreConfig  # noqa: E402
 from store.config import RemoteConfig, TierConfig  # noqa: E402
-from store.keys import KVFormat  # noqa: E402
-from store.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce  # noqa: E402
-from store.remote_value import MAX_STORED, RemoteMeta, pack_meta  # noqa: E402
+from store.format.keys import KVFormat  # noqa: E402
+from store.format.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce  # noqa: E402
+from store.format.remote_value import MAX_STORED, RemoteMeta, pack_meta  # noqa: E402
 from testsupport.redis import Server, secret_file  # noqa: E402
 
 FMT = KVFormat("bfloat16", num_layers=30, num_kv_heads=3, head_dim=64, chunk_size=256)  # SmolLM2-135M's

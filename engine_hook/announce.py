@@ -21,7 +21,7 @@ events leave here as ``Stored`` and ``Removed`` and become vLLM's ``BlockStored`
   namespaces announces them again, chain roots first, in bounded batches per step.
 
 What was announced of each chunk is kept in the store (``Store.announced``; the records of
-store/announce.py), so that a restarted engine can announce it again: block hashes depend
+store/observe/announce.py), so that a restarted engine can announce it again: block hashes depend
 on the cache salt, which the store keeps only as a digest.
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from store import AdapterIdentity, KVFormat, Namespace, StoreConfig, StoreError, open_shared, release_shared
-from store.tensors import to_dtype
+from store.format.tensors import to_dtype
 
 from . import fingerprint
 from .fingerprint import ModelFingerprint

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from store import DEFAULT_CHUNK_SIZE, Store, StoreConfig, StoreError
-from store.codec import codec_id
 from store.config import RemoteConfig, TierConfig, parse_capacity
+from store.format.codec import codec_id
 
 from .policy import POLICIES
 

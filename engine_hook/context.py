@@ -50,7 +50,7 @@ def kv_format_of_spec(spec: Any, num_layers: int, tp_size: int, tp_rank: int, ch
     each, or (MLA: ``head_size_v`` 0) one latent plane of ``head_size``. Anything whose
     bytes are not plain tensors of the spec's dtype (packed or quantized states, pages of
     several tokens per state) or whose K and V differ in width is refused."""
-    from store.tensors import dtype_name
+    from store.format.tensors import dtype_name
 
     if getattr(spec, "sliding_window", None):
         raise StoreError("lmctl does not support sliding-window attention yet")

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from store import DiskFullError, KVFormat, PutItem, ReadOnlyError, Store, StoreError
-from store.memory import Region
-from store.segment import ALIGN
-from store.tensors import to_dtype
+from store.format.memory import Region
+from store.format.record import ALIGN
+from store.format.tensors import to_dtype
 
 from .config import LAYOUTS
 from .cpu_threads import serial_torch
@@ -64,7 +64,7 @@ class StagingPool:
         # one region for all the buffers, every page written once, in order, here (not on
         # the hot path); in host memory, on huge pages where the kernel gives them: the
         # pages' physical layout sets how many requests an O_DIRECT read of a chunk takes
-        # (store/memory.py, docs/performance.md)
+        # (store/format/memory.py, docs/performance.md)
         stride = (nbytes + ALIGN - 1) // ALIGN * ALIGN
         self._backing: list[Any] = []
         if pinned:  # page-locked by the CUDA driver, so copies to and from it are DMA

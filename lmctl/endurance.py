@@ -1,5 +1,5 @@
 """Admission and the nvme tier's write budget in ``lmctl status``: what the daemon puts in its
-reply (``store.admission``, ``store.writes``, ``store.warnings``) and the lines the CLI shows
+reply (``store.tiers.admission``, ``store.ops.writes``, ``store.warnings``) and the lines the CLI shows
 of it. Kept free of heavy imports (the CLI starts without the store library)."""
 
 from __future__ import annotations

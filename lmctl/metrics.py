@@ -1,7 +1,7 @@
 """The daemon's Prometheus exporter (``lmctl serve --metrics ADDR:PORT``).
 
 Every scrape reads the store: tier usage from its counters, and the metric cells that every
-process using the store (engines, this daemon) adds to (store/metrics.py), so the figures
+process using the store (engines, this daemon) adds to (store/index/metrics.py), so the figures
 cover all of them, not only the daemon. Names carry the ``lmctl_`` prefix and follow
 Prometheus' conventions (``_total`` counters, ``_bytes``, ``_seconds``). docs/operator-guide.md
 lists them.
@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from store import Store, StoreError
-from store.metrics import SECONDS_BUCKETS, Cell
+from store.index.metrics import SECONDS_BUCKETS, Cell
 
 from .errors import UsageError
 
@@ -37,7 +37,7 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "written_bytes": ("lmctl_written_bytes_total", "Bytes written to segment files (payload, framing, compaction)."),
 }
 
-#: metric cells (store/metrics.py) -> help; the cell's name gets the ``lmctl_`` prefix
+#: metric cells (store/index/metrics.py) -> help; the cell's name gets the ``lmctl_`` prefix
 CELLS: dict[str, str] = {
     "lookups_total": "Engine lookups of a prompt's cached prefix, per model and adapter.",
     "lookup_hit_tokens_total": "Prompt tokens engine lookups found cached, per model and adapter.",

@@ -26,7 +26,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from store.private import make_private_dir
+from store.format.private import make_private_dir
 
 log = logging.getLogger("lmctl.daemon")
 

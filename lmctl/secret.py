@@ -2,7 +2,7 @@
 
 Made here, with no daemon and no store library: 32 random bytes from the operating system,
 hex, in a file created with mode 0600 that must not exist yet (a secret is never
-overwritten: every store that uses it would lose its shared chunks). store/remote_auth.py
+overwritten: every store that uses it would lose its shared chunks). store/format/remote_auth.py
 reads it (``remote.secret_file``).
 """
 

@@ -154,11 +154,12 @@ def _folder_digest(path: str) -> str:
                                     "folder)")
     from store import StoreError
 
+    from .errors import UsageError
     from .selection import bounded_adapter_digest
 
     try:
         return bounded_adapter_digest(path)
-    except StoreError as exc:
+    except (StoreError, UsageError) as exc:
         raise CommandError("usage", str(exc)) from None
 
 

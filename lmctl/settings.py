@@ -171,7 +171,7 @@ def _pin_budget(value: Any, name: str) -> float:
 
 def _read_store_key(key: str, value: Any) -> Any:
     if key == "codec":
-        from store.codec import codec_id
+        from store.format.codec import codec_id
 
         codec_id(str(value))
         return str(value)
@@ -317,7 +317,7 @@ def settings_json(config: StoreConfig) -> dict[str, Any]:
     doc = dataclasses.asdict(config)
     del doc["remote_off"]  # not a setting: what remote.url=URL takes up again
     if config.remote is not None:
-        from store.remote import redacted
+        from store.tiers.remote import redacted
 
         doc["remote"]["url"] = redacted(config.remote.url)
     return doc
@@ -378,7 +378,7 @@ def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             check_id(daemon["socket_group"], "socket_group")
         if daemon.get("maintenance_interval") is not None:  # seconds from here on
             daemon["maintenance_interval"] = _duration(daemon["maintenance_interval"], "maintenance_interval")
-    except StoreError as exc:
+    except (StoreError, UsageError) as exc:
         raise StoreError(f"config file {path}: [daemon] {exc}") from None
     try:
         changes = flatten(doc.get("store") or {})

@@ -5,7 +5,7 @@ The public API is re-exported here; see docs/architecture.md.
 
 from .config import GiB, MiB, StoreConfig, TierConfig
 from .errors import CorruptEntry, DiskFullError, IndexWriteError, PinBudgetError, ReadOnlyError, StoreError
-from .keys import (
+from .format.keys import (
     DEFAULT_CHUNK_SIZE,
     AdapterIdentity,
     KVFormat,

@@ -36,7 +36,7 @@ class TierConfig:
     #: the nvme tier's endurance budget: ``1DWPD`` (drive writes per day: the tier's capacity
     #: written once a day) or a size per day (``500GiB/day``); None: no budget. Every byte
     #: written to the tier counts (records, segment headers, compaction, dram spills);
-    #: ``lmctl status`` warns when the store is on course to write more (store/admission.py)
+    #: ``lmctl status`` warns when the store is on course to write more (store/tiers/admission.py)
     write_budget: str | None = None
 
     @property
@@ -51,19 +51,19 @@ class TierConfig:
 
 REMOTE_WRITES = ("always", "evict", "never")
 #: ``admit``: ``all`` writes every chunk an engine computes; ``second-hit`` writes a chunk to the
-#: nvme tier only once its key has been put before (store/admission.py)
+#: nvme tier only once its key has been put before (store/tiers/admission.py)
 ADMIT_MODES = ("all", "second-hit")
 #: the ghost list's default size (chunk keys remembered by ``second-hit``): about 20 MiB of index
 ADMIT_GHOSTS = 262144
 #: the most keys the ghost list may remember
 ADMIT_GHOSTS_MAX = 1 << 26
-#: how eviction chooses what leaves a full tier (store/eviction.py)
+#: how eviction chooses what leaves a full tier (store/ops/eviction.py)
 EVICTION_POLICIES = ("segment", "lru")
 
 
 @dataclass
 class RemoteConfig:
-    """The shared remote tier (store/remote.py): a Redis/Valkey server or Redis Cluster.
+    """The shared remote tier (store/tiers/remote.py): a Redis/Valkey server or Redis Cluster.
 
     ``write``: ``always`` puts every chunk this store stores to the remote tier too (on the
     writer's thread, never the engine's), ``evict`` puts the chunks that eviction takes from
@@ -99,7 +99,7 @@ class RemoteConfig:
             raise StoreError(f"the remote tier's write policy must be one of {', '.join(REMOTE_WRITES)}")
         if self.piece_bytes < 64 << 10 or self.lookup_timeout_s <= 0 or self.io_timeout_s <= 0:
             raise StoreError("the remote tier needs piece_bytes >= 64KiB and positive timeouts")
-        from .remote_auth import check_trust
+        from .format.remote_auth import check_trust
 
         check_trust(self.key_prefix, self.secret_file, self.previous_secret_file, self.encrypt, self.trust)
 
@@ -187,7 +187,7 @@ class StoreConfig:
             raise StoreError(f"admit_ghosts must be a whole number of chunk keys, 1 to {ADMIT_GHOSTS_MAX}")
         if self.remote is not None:
             self.remote.validate()
-        from .codec import codec_id
+        from .format.codec import codec_id
 
         codec_id(self.codec)
 

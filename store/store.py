@@ -31,25 +31,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .admission import Admission, WriteRate, write_rate
-from .announce import Announcements
 from .clock import SYSTEM_CLOCK, Clock
-from .codec import CODEC_NAMES, Codec, codec_id
-from .compaction import Compactor
 from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
 from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
-from .events import KINDS as EVENT_KINDS
-from .events import EventLog
-from .eviction import Evictor
-from .explain import explain_miss
-from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
-from .journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
-from .journal import MetaJournal, replay
-from .keys import KEY_BYTES, PARTIAL_BLOCK, Namespace, NamespaceRecord, prefix_ids, short_key
-from .metrics import Cell, Gauge, Meter
-from .namespaces import Namespaces
-from .pins import Pins
-from .private import (
+from .format.codec import CODEC_NAMES, Codec, codec_id
+from .format.journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
+from .format.journal import MetaJournal, replay
+from .format.keys import KEY_BYTES, PARTIAL_BLOCK, Namespace, NamespaceRecord, prefix_ids, short_key
+from .format.private import (
     MEMORY_FILESYSTEMS,
     STORE_MARKER,
     UnsafePath,
@@ -64,12 +53,26 @@ from .private import (
     tighten,
     write_marker,
 )
-from .reads import Reads, expects
-from .recovery import Recovery
-from .schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
-from .segment import REC_FIXED, TRAILER_BLOCK, SegmentIO
-from .sharing import Sharing, writer_id
-from .space import Space, TierState
+from .format.record import REC_FIXED, TRAILER_BLOCK
+from .format.segment import SegmentIO
+from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
+from .index.events import KINDS as EVENT_KINDS
+from .index.events import EventLog
+from .index.metrics import Cell, Gauge, Meter
+from .index.schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
+from .observe.announce import Announcements
+from .observe.explain import explain_miss
+from .ops.check import Checker
+from .ops.compaction import Compactor
+from .ops.eviction import Evictor
+from .ops.namespaces import Namespaces
+from .ops.pins import Pins
+from .ops.reads import Reads, expects
+from .ops.recovery import Recovery
+from .ops.writes import Writes, record_meta
+from .tiers.admission import Admission, WriteRate, write_rate
+from .tiers.sharing import Sharing, writer_id
+from .tiers.space import Space, TierState
 from .types import (
     Chunk,
     ChunkInfo,
@@ -85,7 +88,6 @@ from .types import (
     StoreStats,
     TierStats,
 )
-from .writes import Writes, record_meta
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -170,7 +172,7 @@ class Store:
         self._tiers: dict[str, TierState] = {}
         self._journal = None if readonly else MetaJournal(os.path.join(self.path, "meta.journal"))
         # events are written by whatever transaction makes the change they describe: the index
-        # makes the log it writes them to (store/events.py)
+        # makes the log it writes them to (store/index/events.py)
         self._index = Index(index, readonly, self._remove_files, event_log_max=lambda: self.config.event_log_max,
                             readonly_reason=readonly_reason, clock=self.clock)
         try:
@@ -228,6 +230,7 @@ class Store:
         rebooted = False if readonly else self._note_boot()
         self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted,
                                   clock=self.clock)
+        self._checker = Checker(self._index, self._space, self._recovery, self._lock, clock=self.clock)
         self._sharing: Sharing | None = None
         self._remote_refused: str | None = None  # why the configured remote tier did not start
         self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
@@ -249,7 +252,7 @@ class Store:
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
             if self.format_version() < FORMAT_VERSION:
-                self._recovery.build_counts()  # before anything changes an entry
+                self._checker.build_counts()  # before anything changes an entry
             self.recover()
             if restore is not None or (self._index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
@@ -398,7 +401,7 @@ class Store:
         return self._reads.metric_gauges(max_age_s)
 
     def metric_cells(self) -> list[Cell]:
-        """The metric totals of every process that used this store (store/metrics.py): what
+        """The metric totals of every process that used this store (store/index/metrics.py): what
         they flushed (each within its ``access_flush_s``) plus this process's pending counts,
         added in memory (nothing is written, so this never waits for the disk)."""
         return self._reads.metric_cells()
@@ -622,7 +625,7 @@ class Store:
                              f"evict them first (lmctl move --tier {name} --to {other}, or lmctl evict --tier "
                              f"{name}), then remove it")
 
-    # -- the metadata journal (store/journal.py) -------------------------------------------
+    # -- the metadata journal (store/format/journal.py) -------------------------------------------
     def format_version(self) -> int:
         """The format of the index (1: written before the counts were kept)."""
         with self._index.read() as t:
@@ -724,7 +727,7 @@ class Store:
     def save_many(self, items: Sequence[PutItem], tier: str | None = None, *, level: int | None = None) -> list[str]:
         """``put_many``, saying what became of each chunk: ``stored``; ``present`` (it was
         stored already); ``not-admitted`` (the ``admit`` setting kept it off the nvme tier
-        until its key is seen again: store/admission.py; not an error); ``no-room`` (the tier
+        until its key is seen again: store/tiers/admission.py; not an error); ``no-room`` (the tier
         is full of pinned chunks, or the chunk is larger than the tier). An engine's writer
         calls this to count each apart."""
         for it in items:  # before anything is reserved or written: nothing of the batch then
@@ -817,7 +820,7 @@ class Store:
             return got, 0
         e, data = got
         try:
-            from .remote import RemoteMeta
+            from .tiers.remote import RemoteMeta
 
             meta = RemoteMeta(raw_len=e.raw_len, codec=CODEC_NAMES[e.codec], level=e.level, layout=e.layout,
                               tokens=e.tokens, checksum=e.checksum)
@@ -1114,7 +1117,7 @@ class Store:
         """Every pin label and the keys it pins."""
         return self._pins.labels()
 
-    # -- the event log and explanations (store/events.py, store/explain.py) -----------------
+    # -- the event log and explanations (store/index/events.py, store/observe/explain.py) -----------------
     def prefix_ids(self, tokens: Sequence[int], chunk_size: int, limit: int | None = None) -> list[bytes]:
         """The id of the token prefix that each full chunk of ``tokens`` ends (of the first
         ``limit`` chunks), the same in every namespace: give it with each chunk stored
@@ -1178,7 +1181,7 @@ class Store:
                   counts: Mapping[str, int] | None = None) -> None:
         """What an engine announced to routers, in one write transaction: keep the records of
         ``note`` (``(chunk key, chain position, record)``, for its re-announce after a
-        restart: store/announce.py), drop those of ``forget``, and log one ``announce`` event
+        restart: store/observe/announce.py), drop those of ``forget``, and log one ``announce`` event
         per reason of ``log`` (``stored``, ``removed``, ``reannounced`` -> the chunks), which
         ``lmctl events --kind announce`` shows; ``counts``: how many chunks each reason's
         event counts, when not as many as it names. Nothing when the store cannot be written."""
@@ -1245,7 +1248,7 @@ class Store:
     def write_rates(self) -> dict[str, WriteRate]:
         """Bytes written to the nvme tier (all time, the last 24 h, the rate per day projected
         from them) and its write budget (``tiers.nvme.write_budget``), kept in the index so that
-        every process's writes count and a restart keeps the day (store/admission.py). Empty
+        every process's writes count and a restart keeps the day (store/tiers/admission.py). Empty
         for a store without an nvme tier."""
         st = self._tiers.get("nvme")
         if st is None:
@@ -1335,7 +1338,7 @@ class Store:
         index entries whose bytes are bad or missing and entries that cannot be decoded,
         delete segment files that are garbage for certain (see ``recover``), and recount
         drifted counters."""
-        return self._recovery.check(fix, deep, progress)
+        return self._checker.check(fix, deep, progress)
 
     def rebuild_index(self) -> int:
         """Re-create index entries from the records in segment files alone.

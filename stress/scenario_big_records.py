@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from store import GiB, MiB, PutItem, Store, StoreConfig, TierConfig
-from store.segment import ALIGN, WRITE_SPAN
+from store.format.record import ALIGN
+from store.format.segment import WRITE_SPAN
 from stress.common import Tally, key, quiet_store_log
 
 #: Llama-8B: layers, KV heads, head dim; 256 tokens of bf16

@@ -19,9 +19,9 @@ import xxhash
 
 from store import MiB, Store, StoreConfig, TierConfig
 from store.config import RemoteConfig
-from store.remote import RemoteTier
-from store.remote_auth import MODE_PLAIN, Keys, new_nonce
-from store.remote_value import RemoteMeta, pack_meta
+from store.format.remote_auth import MODE_PLAIN, Keys, new_nonce
+from store.format.remote_value import RemoteMeta, pack_meta
+from store.tiers.remote import RemoteTier
 from stress.common import Tally, content, key
 
 SIZE = 160 << 10  # three pieces of 64 KiB

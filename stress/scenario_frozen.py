@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from store import KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig  # noqa: E402
-from store.segment import ALIGN, record_len  # noqa: E402
+from store.format.record import ALIGN, record_len  # noqa: E402
 from stress.common import Tally, Worker, content, key  # noqa: E402
 from stress.reliability import ENV, Daemon  # noqa: E402
 

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import store.writes
+import store.ops.writes
 from store import MiB, PutItem, Store, StoreConfig, TierConfig
 from stress.common import Tally, content, key, quiet_store_log
 
@@ -48,8 +48,8 @@ def scenario_full_shm(work: Path, n: int) -> Tally:
         return t
     rng = random.Random(7)
     saves = spilled = on_nvme = lost = wrong = raised = back_to_dram = 0
-    before = store.writes.SPILL_RETRY_S
-    store.writes.SPILL_RETRY_S = 0.2
+    before = store.ops.writes.SPILL_RETRY_S
+    store.ops.writes.SPILL_RETRY_S = 0.2
     try:
         for trial in range(n):
             shm = work / f"shm{trial}"
@@ -100,7 +100,7 @@ def scenario_full_shm(work: Path, n: int) -> Tally:
             finally:
                 subprocess.run(["umount", "-l", str(shm)], check=False)
     finally:
-        store.writes.SPILL_RETRY_S = before
+        store.ops.writes.SPILL_RETRY_S = before
     t.check(lost == 0 and wrong == 0 and raised == 0,
             f"full-shm: {lost} chunks lost, {wrong} read back wrong, {raised} saves raised")
     t.check(on_nvme == saves == spilled, f"full-shm: {saves} saves, {on_nvme} on nvme, {spilled} counted as spilled")

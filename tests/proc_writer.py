@@ -16,7 +16,7 @@ import sys
 from conftest import content, key
 
 from store import Store, StoreConfig, TierConfig
-from store.segment import SegmentIO
+from store.format.segment import SegmentIO
 
 
 def main() -> None:

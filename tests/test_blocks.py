@@ -25,7 +25,7 @@ from store import (
     chain_hash,
     record_key,
 )
-from store.schema import alias_row, pack_alias
+from store.index.schema import alias_row, pack_alias
 
 MakeStore = Callable[..., Store]
 DATA = Path(__file__).parent / "data"

@@ -19,7 +19,7 @@ import redis
 from test_blocks import ADAPTER, BASE, FMT, PER_TOKEN, prompt, read_found, save_request
 
 from store import AdapterIdentity, Namespace, Store, boundary_keys, chain_hash
-from store.remote import RemoteTier
+from store.tiers.remote import RemoteTier
 
 Hosts = Callable[..., Store]
 

@@ -718,7 +718,7 @@ def test_a_relative_tier_path_an_older_store_recorded_is_refused_then_fixed(tmp_
 
 
 def test_a_dram_tier_on_disk_is_warned_of_and_an_empty_tier_can_be_removed(daemon: Daemon) -> None:
-    from store.private import MEMORY_FILESYSTEMS, filesystem_type
+    from store.format.private import MEMORY_FILESYSTEMS, filesystem_type
 
     if filesystem_type(str(daemon.store)) in MEMORY_FILESYSTEMS:
         pytest.skip("the store is on tmpfs: a dram tier there is where it belongs")

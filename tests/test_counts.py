@@ -12,7 +12,8 @@ from pathlib import Path
 from conftest import SMALL_FMT, SMALL_LAYOUT, assert_counts_match, content, counts_of, recount
 
 from store import AdapterIdentity, GiB, MiB, Namespace, PutItem, Store, StoreConfig, TierConfig
-from store.index import Txn, label_count_key, ns_count_key, pack_counts
+from store.index import Txn, pack_counts
+from store.index.schema import label_count_key, ns_count_key
 
 MakeStore = Callable[..., Store]
 DATA = Path(__file__).resolve().parent / "data"

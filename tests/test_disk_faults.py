@@ -306,7 +306,7 @@ def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
     """Today every save to a dram tier whose tmpfs another user filled raises DiskFullError,
     though nvme has room. Now the batch goes to nvme (counted), and dram is tried again after
     ``SPILL_RETRY_S``."""
-    import store.writes
+    import store.ops.writes
 
     clock = ManualClock()
     cfg = StoreConfig(tiers={"dram": TierConfig(capacity=64 * MiB, path=str(small_shm / "lmctl")),
@@ -327,7 +327,7 @@ def test_a_full_dram_tier_spills_saves_to_nvme_and_is_tried_again_later(
         hog.unlink()  # room again: after the retry time, saves go to dram
         assert s.put(key(98), content(key(98), CHUNK), {"dtype": "uint8"}, tokens=16)
         assert s.locate([key(98)], remote=False) == ["nvme"]  # not before it
-        clock.advance(store.writes.SPILL_RETRY_S)
+        clock.advance(store.ops.writes.SPILL_RETRY_S)
         assert s.put(key(99), content(key(99), CHUNK), {"dtype": "uint8"}, tokens=16)
         assert s.locate([key(0), key(99)], remote=False) == ["dram", "dram"]
     finally:

@@ -74,9 +74,9 @@ def test_a_tier_larger_than_the_ranking_scan_still_evicts_by_segment(make_store:
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """On a tier of more chunks than one eviction ranks (``SCAN_MAX``), the rest count as the
     most recently used: still whole segments, pins kept, capacity held."""
-    import store.eviction
+    import store.ops.eviction
 
-    monkeypatch.setattr(store.eviction, "SCAN_MAX", 16)
+    monkeypatch.setattr(store.ops.eviction, "SCAN_MAX", 16)
     s, clock = churn_store(make_store, "segment")
     _keys, pinned = churn(s, clock, 300)
     st = s.stats()

@@ -11,7 +11,8 @@ import pytest
 from conftest import SMALL_LAYOUT, content, key
 
 from store import MiB, PutItem, Store, StoreError
-from store.segment import SegmentIO, segment_name
+from store.format.record import segment_name
+from store.format.segment import SegmentIO
 
 MakeStore = Callable[..., Store]
 N = 32 * 1024  # a chunk of whole pages

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_daemon import FMT, LAYOUT, Daemon, cj, cli, fill
 
 from lmctl.daemon import socket_access
-from lmctl.errors import Denied
+from lmctl.errors import Denied, LmctlError
 from lmctl.metrics import parse_listen
 from lmctl.ops import Job, op_config
 from lmctl.selection import set_caller
@@ -38,7 +38,7 @@ from lmctl.settings import (
     read_config_file,
 )
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
-from store.segment import SEG_VERSION
+from store.format.record import SEG_VERSION
 
 
 def serve_with(tmp_path: Path, *args: str, config: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -228,7 +228,7 @@ def config_files(draw: st.DrawFn) -> str:
 @given(config_files())
 def test_any_config_file_is_read_or_refused_with_a_store_error(text: str) -> None:
     """What ``serve --config`` does with a file, short of starting: every way it can fail is
-    a ``StoreError`` (one line, exit 2), never another exception."""
+    a ``StoreError`` or lmctl's ``UsageError`` (one line, exit 2), never another exception."""
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
         f.write(text)
         f.flush()
@@ -243,7 +243,7 @@ def test_any_config_file_is_read_or_refused_with_a_store_error(text: str) -> Non
             socket_access(daemon.get("socket_mode") or "0600", daemon.get("socket_group"))
             if daemon.get("metrics") is not None:
                 parse_listen(str(daemon["metrics"]))
-        except StoreError as exc:
+        except (StoreError, LmctlError) as exc:
             assert "\n" not in str(exc).strip() or "not valid TOML" in str(exc)
 
 
@@ -280,7 +280,7 @@ def test_config_set_applies_all_or_nothing_and_fails_only_with_a_clear_error(
     except Denied as exc:
         assert not owner and "may not change" in str(exc)
         assert fuzz_store.config.to_json() == before
-    except StoreError as exc:
+    except (StoreError, LmctlError) as exc:
         assert str(exc) and "\n" not in str(exc)
         assert fuzz_store.config.to_json() == before
     finally:

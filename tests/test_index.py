@@ -18,10 +18,10 @@ import pytest
 from conftest import SMALL_FMT, SMALL_LAYOUT, content
 
 import store.index as index_mod
-import store.reads as reads_mod
+import store.ops.reads as reads_mod
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.clock import ManualClock
-from store.segment import SegmentIO
+from store.format.segment import SegmentIO
 
 MakeStore = Callable[..., Store]
 DATA = Path(__file__).resolve().parent / "data"
@@ -439,7 +439,7 @@ def test_pinned_chunks_are_not_promoted_and_a_failing_spill_evicts(tmp_path: Pat
         time.sleep(0.3)
         assert s.locate([k]) == ["nvme"]  # dram has a pin budget of its own: pinned chunks are not promoted
         # the nvme tier fails: dram's victims cannot move, so they are evicted, and puts go on
-        from store.writes import Writes
+        from store.ops.writes import Writes
 
         def broken(self: Writes, *a: object, **kw: object) -> object:
             raise StoreError("injected: the disk under nvme is full")

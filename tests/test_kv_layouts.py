@@ -172,7 +172,7 @@ def test_a_latent_chunk_is_another_namespace_than_a_k_and_v_chunk_of_the_same_by
     assert Namespace("m", kv).ns_id != Namespace("m", mla).ns_id
     assert "kv_planes" not in Namespace("m", kv).to_json() and '"kv_planes":1' in Namespace("m", mla).to_json()
     # the id of a K/V namespace recorded before kv_planes existed (computed on the earlier code)
-    from store.keys import AdapterIdentity
+    from store.format.keys import AdapterIdentity
     ns = Namespace("smollm2", KVFormat("bfloat16", num_layers=30, num_kv_heads=3, head_dim=64),
                    AdapterIdentity("civil", "ab" * 16), "tenant-7", "fp1")
     assert ns.ns_id.hex() == "8038dc4349c778e5ffc14cd11d81b7a4"

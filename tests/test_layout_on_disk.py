@@ -1,6 +1,6 @@
 """How records lie on the disk: a record's pieces go out in parallel, and the file system must
-not scatter it (``store.segment.reserve``); buffers the disk reads into sit on huge pages
-where the kernel gives them (``store.memory``)."""
+not scatter it (``store.format.segment.reserve``); buffers the disk reads into sit on huge pages
+where the kernel gives them (``store.format.memory``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from store import GiB, MiB, PutItem, Store, StoreConfig, TierConfig
-from store.memory import HUGE_PAGE, Region, huge_region
+from store.format.memory import HUGE_PAGE, Region, huge_region
 
 FS_IOC_FIEMAP = 0xC020660B
 _FIEMAP = struct.Struct("=QQIIII")  # start, length, flags, mapped extents, extent count, reserved
@@ -47,7 +47,7 @@ def test_a_batch_of_large_records_is_not_scattered_over_the_disk(tmp_path: Path)
 
 
 def test_a_reservation_keeps_the_size_and_holds_the_blocks(tmp_path: Path) -> None:
-    from store.segment import reserve
+    from store.format.segment import reserve
 
     p = tmp_path / "f"
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)

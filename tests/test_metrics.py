@@ -1,4 +1,4 @@
-"""Metrics: counts that every process using a store adds to (store/metrics.py), and the
+"""Metrics: counts that every process using a store adds to (store/index/metrics.py), and the
 daemon's Prometheus exporter (``lmctl serve --metrics``) scraped over HTTP after real traffic:
 other processes' puts and reads, and a real vLLM engine's lookups, saves and loads."""
 
@@ -23,7 +23,7 @@ from test_daemon import Daemon
 from test_vllm_connector import Engine, P, models  # noqa: F401  (the module's model fixture)
 
 from store import MiB, Store, StoreConfig, TierConfig
-from store.metrics import SECONDS_BUCKETS, Meter
+from store.index.metrics import SECONDS_BUCKETS, Meter
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -47,7 +47,7 @@ WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from store import Store
-    from store.metrics import Meter
+    from store.index.metrics import Meter
     s = Store({path!r})
     for i in range({n}):
         k = bytes([i]) * 48

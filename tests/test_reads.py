@@ -22,8 +22,8 @@ from engine_hook.context import ConnectorContext
 from engine_hook.ops import LoadOp, SaveOp
 from engine_hook.worker import LMCtlConnectorWorker
 from store import KVFormat, Namespace, Store
-from store.index import Entry, record_len
-from store.segment import ALIGN, decode_trailer, encode_trailer
+from store.format.record import ALIGN, decode_trailer, encode_trailer, record_len
+from store.index import Entry
 
 CHUNK = SMALL_FMT.chunk_bytes
 GIB16 = (16 << 30) - 2 * ALIGN  # the largest claim an index entry's own check lets through (record < 16 GiB)
@@ -77,7 +77,8 @@ def test_a_16_gib_claim_allocates_nothing(tmp_path: Path, registered: bool) -> N
     code = f"""
 import resource, tracemalloc
 from store import KVFormat, Namespace, Store
-from store.index import Entry, record_len
+from store.format.record import record_len
+from store.index import Entry
 fmt = KVFormat("bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, chunk_size=16)
 ns = Namespace("m", fmt)
 s = Store({str(tmp_path / 'store')!r})

@@ -32,10 +32,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from store import MiB, PutItem, Store, StoreConfig, TierConfig
-from store.codec import FRAME_RAW
 from store.config import GiB, RemoteConfig
-from store.remote import PIECE_BYTES as REMOTE_PIECE
-from store.segment import ALIGN, READ_SPAN, WRITE_SPAN
+from store.format.codec import FRAME_RAW
+from store.format.record import ALIGN
+from store.format.segment import READ_SPAN, WRITE_SPAN
+from store.tiers.remote import PIECE_BYTES as REMOTE_PIECE
 
 #: the largest record drawn
 MAX = 64 * MiB

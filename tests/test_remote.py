@@ -1,4 +1,4 @@
-"""The remote tier's client (store/remote.py) against real redis-server processes: round trips,
+"""The remote tier's client (store/tiers/remote.py) against real redis-server processes: round trips,
 torn and foreign values, OOM, eviction, a frozen and a dead server, URLs and passwords, key
 prefixes, a Unix socket, TLS and a three-node Redis Cluster.
 
@@ -22,10 +22,10 @@ import pytest
 import redis
 from redis_server import Server, free_port, secret_file
 
-from store.breaker import CircuitBreaker
 from store.clock import ManualClock
 from store.errors import StoreError
-from store.remote import RemoteMeta, RemoteTier, redacted
+from store.tiers.breaker import CircuitBreaker
+from store.tiers.remote import RemoteMeta, RemoteTier, redacted
 
 KiB = 1024
 

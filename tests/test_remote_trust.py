@@ -35,9 +35,9 @@ from test_daemon import Daemon, cj
 from lmctl.settings import apply_settings
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError
 from store.config import RemoteConfig
-from store.remote import RemoteTier
-from store.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce, read_secret
-from store.remote_value import MAX_STORED, RemoteMeta, pack_meta
+from store.format.remote_auth import MODE_MAC, MODE_PLAIN, Keys, new_nonce, read_secret
+from store.format.remote_value import MAX_STORED, RemoteMeta, pack_meta
+from store.tiers.remote import RemoteTier
 
 N = SMALL_FMT.chunk_bytes
 NS = Namespace("public-model", SMALL_FMT)  # unsalted: anyone can compute its keys
@@ -451,7 +451,7 @@ def test_a_16_GiB_head_claim_allocates_nothing(hosts: Callable[..., Store], tmp_
     code = f"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-from store.remote import RemoteTier
+from store.tiers.remote import RemoteTier
 t = RemoteTier({hosts.redis.url!r}, key_prefix={PREFIX!r}, secret_file={hosts.secret!r})
 assert t.get({k!r}, max_stored={N}) is None
 assert t.get_into({k!r}, bytearray({N})) is None
@@ -528,7 +528,7 @@ def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[...
     """A value of several MiB is MAC'd (or decrypted) as it lands, inline or on a helper thread
     (where the process has the cores for one): the same verdicts either way, and a read cut off
     in the middle leaves nothing running on the caller's buffer."""
-    import store.resp as resp
+    import store.tiers.resp as resp
 
     srv = hosts.redis  # type: ignore[attr-defined]
     r = srv.client()
@@ -578,7 +578,7 @@ def test_the_payload_mac_is_the_same_over_any_slicing_and_bound_to_its_value() -
     value's nonce."""
     import random
 
-    from store.remote_auth import TAG_BYTES
+    from store.format.remote_auth import TAG_BYTES
 
     keys = Keys.derive(os.urandom(32))
     k1, k2 = NS.chunk_keys(TOKENS)[:2]

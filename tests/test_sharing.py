@@ -1,4 +1,4 @@
-"""Two engine hosts sharing chunks through a real Redis server (store/sharing.py)."""
+"""Two engine hosts sharing chunks through a real Redis server (store/tiers/sharing.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from conftest import SMALL_FMT, SMALL_LAYOUT, content, flip_byte, key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import store.codec as codec_mod
+import store.format.codec as codec_mod
 from store import (
     GiB,
     MiB,
@@ -29,10 +29,10 @@ from store import (
     TierConfig,
 )
 from store.clock import ManualClock
-from store.codec import Codec, encoded_parts, shuffle, unshuffle
-from store.segment import SegmentIO
-from store.space import Space
-from store.tensors import pack, unpack
+from store.format.codec import Codec, encoded_parts, shuffle, unshuffle
+from store.format.segment import SegmentIO
+from store.format.tensors import pack, unpack
+from store.tiers.space import Space
 
 MakeStore = Callable[..., Store]
 CHUNK = SMALL_FMT.chunk_bytes  # 16 KiB
@@ -698,7 +698,7 @@ def test_get_into_leaves_a_larger_buffer_alone_past_the_chunk(make_store: MakeSt
     chunk, where an unaligned buffer kept its bytes."""
     import mmap
 
-    from store.segment import READ_SPAN
+    from store.format.segment import READ_SPAN
 
     store = make_store(segment_bytes=32 * MiB)
     if not store.stats().tiers["nvme"].direct_io:
@@ -723,7 +723,7 @@ def test_compaction_moves_records_over_a_write_piece_of_unaligned_length(make_st
     ring was indexed before it was filled), so maintenance failed for good."""
     import mmap
 
-    from store.segment import WRITE_SPAN
+    from store.format.segment import WRITE_SPAN
 
     store = make_store(segment_bytes=20 * MiB)  # two records a segment
     n = WRITE_SPAN + MiB + 123

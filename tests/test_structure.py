@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +29,8 @@ ADDERS = {"append", "extend", "insert"}
 
 
 def store_sources() -> Iterator[tuple[str, str]]:
-    for p in sorted(STORE.glob("*.py")):
-        yield p.name, p.read_text()
+    for p in sorted(STORE.rglob("*.py")):
+        yield p.relative_to(STORE).as_posix(), p.read_text()
 
 
 def wiring_after_construction(source: str) -> list[str]:
@@ -88,12 +89,12 @@ def test_no_part_of_the_store_is_wired_after_it_was_built() -> None:
 def test_the_evictor_takes_no_callback_and_never_calls_the_write_path() -> None:
     """The run-time loop Writes -> Evictor -> spill -> Writes.rewrite -> Evictor is gone: the
     evictor decides (``choose``) and drops (``finish``); the write path moves the victims."""
-    from store.eviction import Evictor
+    from store.ops.eviction import Evictor
 
     assert list(inspect.signature(Evictor.__init__).parameters) == [
         "self", "index", "space", "compactor", "namespaces", "config", "lock"]
-    tree = ast.parse((STORE / "eviction.py").read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    tree = ast.parse((STORE / "ops" / "eviction.py").read_text())
+    imported = {(n.module or "").rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"writes", "store", "sharing", "reads"}
     called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
     assert not called & {"spill", "rewrite", "put_many", "push_entries"}
@@ -102,29 +103,30 @@ def test_the_evictor_takes_no_callback_and_never_calls_the_write_path() -> None:
 def test_the_remote_tier_never_calls_back_into_the_write_path() -> None:
     """Nor the loop Writes -> Sharing (push) and Sharing -> Writes (promote a remote hit): the
     facade stores what ``Sharing.to_promote`` gives it."""
-    from store.sharing import Sharing
+    from store.tiers.sharing import Sharing
 
     assert list(inspect.signature(Sharing.__init__).parameters) == ["self", "cfg", "codec", "writer", "clock"]
-    tree = ast.parse((STORE / "sharing.py").read_text())
+    tree = ast.parse((STORE / "tiers" / "sharing.py").read_text())
     called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
     assert not called & {"put_many", "rewrite", "make_room", "save"}
 
 
 # -- the same at run time: every assignment to a part's attribute comes from its own methods --
 def _part_classes() -> list[type]:
-    from store.compaction import Compactor
-    from store.events import EventLog
-    from store.eviction import Evictor
     from store.index import Index
-    from store.namespaces import Namespaces
-    from store.pins import Pins
-    from store.reads import Reads
-    from store.recovery import Recovery
-    from store.sharing import Sharing
-    from store.space import Space
-    from store.writes import Writes
+    from store.index.events import EventLog
+    from store.ops.check import Checker
+    from store.ops.compaction import Compactor
+    from store.ops.eviction import Evictor
+    from store.ops.namespaces import Namespaces
+    from store.ops.pins import Pins
+    from store.ops.reads import Reads
+    from store.ops.recovery import Recovery
+    from store.ops.writes import Writes
+    from store.tiers.sharing import Sharing
+    from store.tiers.space import Space
 
-    return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Reads, Writes, Sharing]
+    return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Checker, Reads, Writes, Sharing]
 
 
 @pytest.fixture
@@ -234,7 +236,7 @@ def test_a_manual_clock_moves_only_when_told_and_the_store_reads_it(tmp_path: Pa
 
 # -- one door to LMDB: only the index opens it; every key is built from the schema -------------
 #: the modules that may touch LMDB itself
-LMDB_DOOR = {"index.py", "schema.py"}
+LMDB_DOOR = {"index/__init__.py", "index/txn.py", "index/schema.py"}
 #: LMDB's transaction and cursor calls, reached through a transaction's ``raw``
 LMDB_CALLS = {"get", "put", "delete", "cursor", "stat", "drop", "replace", "pop", "open_db", "begin"}
 #: the Txn methods that take a sub-database's name, then a key
@@ -262,8 +264,8 @@ def lmdb_uses(source: str) -> list[str]:
 
 def literal_keys(source: str) -> list[str]:
     """Where ``source`` reads or writes a row of a named sub-database with a key (or key
-    prefix) written as a bytes literal instead of one declared in store/schema.py."""
-    from store.schema import DB_NAMES
+    prefix) written as a bytes literal instead of one declared in store/index/schema.py."""
+    from store.index.schema import DB_NAMES
 
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -293,13 +295,13 @@ def test_the_lmdb_checks_find_a_raw_call_and_a_literal_key() -> None:
 
 
 def test_only_the_index_touches_lmdb() -> None:
-    """Raw LMDB calls outside store/index.py (and the schema): 0."""
+    """Raw LMDB calls outside store/index/__init__.py (and the schema): 0."""
     found = {name: hits for name, src in store_sources() if name not in LMDB_DOOR and (hits := lmdb_uses(src))}
     assert found == {}
 
 
 def test_every_key_the_parts_use_is_declared_in_the_schema() -> None:
-    found = {name: hits for name, src in store_sources() if name != "schema.py" and (hits := literal_keys(src))}
+    found = {name: hits for name, src in store_sources() if name != "index/schema.py" and (hits := literal_keys(src))}
     assert found == {}
     # and the prefixes metrics and events write under are the schema's
     from store import events, metrics, schema
@@ -354,7 +356,7 @@ def test_the_fast_lanes_list_names_tests_that_exist() -> None:
 MAX_LINES = 700
 #: known debt (issue 20, item 4): store modules still over the limit, being split by their own
 #: work; a file leaves this list when it is split, and no other file may join it
-OVER_LIMIT_DEBT = {"store/store.py", "store/remote.py", "store/index.py", "store/recovery.py", "store/segment.py"}
+OVER_LIMIT_DEBT = {"store/store.py"}
 
 
 def long_files(root: Path, packages: tuple[str, ...], limit: int = MAX_LINES) -> dict[str, int]:
@@ -407,3 +409,141 @@ def test_class_names_are_unique_across_the_packages() -> None:
     twice = {k: v for k, v in _class_names([root / p for p in ("store", "lmctl", "engine_hook")]).items()
              if len(v) > 1}
     assert twice == {}, f"one name, one class: {twice}"
+
+
+# -- the tree shows the layers, and docs/architecture.md's map is the code's -------------------
+#: store/'s layers, bottom up: a module imports (at run time) only from its own layer and below
+LAYERS = [("errors", "clock", "types"), ("format",), ("config",), ("index",), ("tiers",), ("ops",), ("observe",),
+          ("store", "shared", "__init__")]
+
+
+def store_imports(source: str, path: str) -> list[tuple[str, bool]]:
+    """The store modules ``source`` (the file ``path``, relative to store/) imports, as paths
+    relative to store/ without ``.py`` (a package: ``index/__init__``), each with whether the
+    import runs (False: under ``if TYPE_CHECKING:``)."""
+    pkg = path.split("/")[:-1]
+    typing_only: set[int] = set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            typing_only |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = pkg[: len(pkg) - (node.level - 1)]
+        elif (node.module or "").split(".")[0] == "store":
+            base = []
+        else:
+            continue
+        mod = [*base, *((node.module or "").split(".") if node.module else [])]
+        if mod[:1] == ["store"] and not node.level:
+            mod = mod[1:]
+        for name in [a.name for a in node.names]:  # a module of the package, or a name in ``mod``
+            for target in ([*mod, name], mod):
+                rel = "/".join(target)
+                if (STORE / f"{rel}.py").is_file():
+                    found.append((rel, id(node) not in typing_only))
+                elif (STORE / rel / "__init__.py").is_file() or not rel:
+                    found.append((f"{rel}/__init__" if rel else "__init__", id(node) not in typing_only))
+                else:
+                    continue
+                break
+    return found
+
+
+def layer(path: str) -> int:
+    """The rank of the store module ``path`` (relative to store/, no ``.py``) among LAYERS."""
+    head = path.split("/")[0]
+    return next(i for i, names in enumerate(LAYERS) if head in names)
+
+
+def upward_imports(sources: dict[str, str]) -> list[str]:
+    """``a -> b`` for every run-time import of a store module by one in a lower layer."""
+    found = []
+    for name, src in sources.items():
+        here = name.removesuffix(".py")
+        for target, runs in store_imports(src, name):
+            if runs and layer(target) > layer(here):
+                found.append(f"{here} -> {target}")
+    return found
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    planted = {
+        "format/segment.py": "from ..index import Index\nfrom .record import ALIGN\n",
+        "index/txn.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..ops.reads import Reads\n",
+        "tiers/space.py": "from ..ops import check\nfrom ..format.segment import SegmentIO\n",
+    }
+    assert upward_imports(planted) == ["format/segment -> index/__init__", "tiers/space -> ops/check"]
+
+
+def test_no_store_module_imports_from_a_layer_above_its_own() -> None:
+    assert upward_imports(dict(store_sources())) == []
+
+
+def map_rows(text: str) -> dict[str, str]:
+    """The store/ rows of docs/architecture.md's map: each file a row names (relative to
+    store/) -> its "may import" column."""
+    rows: dict[str, str] = {}
+    section = text.split("| **store/**", 1)[1].split("| **lmctl/**", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0].startswith("**"):
+            continue
+        for name in re.findall(r"`([\w/]+\.py)`", cells[0]):
+            rows[name] = cells[2]
+    return rows
+
+
+def map_mismatches(rows: dict[str, str], sources: dict[str, str]) -> list[str]:
+    """Where the map and the code disagree: a file with code the map leaves out, a row for no
+    file, or a row whose "may import" column is not exactly the modules the file imports (by
+    their names, such as ``schema`` or ``space``; "every store part" allows all)."""
+    base = {n: n.removesuffix(".py").removesuffix("/__init__").split("/")[-1] for n in sources}
+    base["__init__.py"] = "__init__"
+    found = [f"{n}: not in the map" for n, src in sources.items()
+             if n not in rows and (not n.endswith("__init__.py") or ast.parse(src).body[1:])]
+    found += [f"{n}: no such file" for n in rows if n not in sources]
+    for n, column in rows.items():
+        if n not in sources or column == "every store part":
+            continue
+        words = set(re.findall(r"[a-z_]+", column.replace("types only", "")))
+        allowed = words & set(base.values())
+        actual = {base[f"{t}.py"] for t, _ in store_imports(sources[n], n)}
+        if allowed != actual:
+            found.append(f"{n}: the map says {sorted(allowed)}, the code imports {sorted(actual)}")
+    return found
+
+
+def test_the_map_check_finds_a_missing_file_and_a_wrong_column() -> None:
+    sources = {"ops/pins.py": "from ..index import Txn\nfrom ..tiers.space import Space\n",
+               "format/keys.py": "from ..errors import StoreError\n", "errors.py": "",
+               "index/__init__.py": '"""the index"""\nfrom .schema import DB_NAMES\n', "index/schema.py": "",
+               "tiers/space.py": "", "tiers/__init__.py": '"""tiers"""\n'}
+    rows = {"ops/pins.py": "index, errors", "errors.py": "nothing", "index/schema.py": "nothing",
+            "tiers/space.py": "nothing", "gone.py": "nothing"}
+    assert map_mismatches(rows, sources) == [
+        "format/keys.py: not in the map", "index/__init__.py: not in the map", "gone.py: no such file",
+        "ops/pins.py: the map says ['errors', 'index'], the code imports ['index', 'space']"]
+
+
+def test_the_architecture_map_is_true_to_the_code() -> None:
+    rows = map_rows((ROOT / "docs" / "architecture.md").read_text())
+    assert len(rows) > 30
+    assert map_mismatches(rows, dict(store_sources())) == []
+
+
+def test_lmctls_errors_are_its_own_not_the_stores() -> None:
+    """A usage error is lmctl's word, not the store's: ``UsageError``, ``Cancelled``, ``Denied``
+    and the daemon's start-up errors derive from ``LmctlError``, and lmctl/errors.py needs
+    nothing of the store."""
+    from lmctl.daemon.access import AlreadyServing, SocketUnreachable
+    from lmctl.errors import Cancelled, Denied, LmctlError, UsageError
+    from store import StoreError
+
+    for cls in (UsageError, Cancelled, Denied, AlreadyServing, SocketUnreachable):
+        assert issubclass(cls, LmctlError) and not issubclass(cls, StoreError), cls
+    tree = ast.parse((ROOT / "lmctl" / "errors.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.module != "__future__"]

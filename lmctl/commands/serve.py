@@ -16,13 +16,13 @@ def _daemon_errors() -> Iterator[None]:
     ``StoreError`` a failure."""
     from store import StoreError
 
-    from ..errors import UsageError
+    from ..errors import LmctlError, UsageError
 
     try:
         yield
     except UsageError as exc:
         raise CommandError("usage", str(exc)) from None
-    except StoreError as exc:
+    except (StoreError, LmctlError) as exc:
         raise CommandError("failed", str(exc)) from None
 
 

@@ -13,17 +13,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from store import StoreError
-from store.private import make_private_dir
+from store.format.private import make_private_dir
 
 from .. import protocol
-from ..errors import UsageError
+from ..errors import LmctlError, UsageError
 from ..settings import check_id
 
 log = logging.getLogger("lmctl.daemon")
 
 
-class AlreadyServing(StoreError):
-    pass
+class AlreadyServing(LmctlError):
+    """Another daemon serves this socket or this store already."""
 
 
 def refuse(conn: socket.socket, code: str, message: str) -> None:
@@ -46,7 +46,7 @@ def bind_socket(path: str, mode: int = 0o600, gid: int | None = None) -> socket.
 
     The socket ends up with ``mode`` and group ``gid``, and is never more open than that:
     it is born with the owner's bits only, given its group, and only then opened to it. Its
-    folder must be private (``store.private.check_folder``): no one else can put a link there
+    folder must be private (``store.format.private.check_folder``): no one else can put a link there
     for the chmod to follow."""
     folder = os.path.dirname(os.path.abspath(path))
     # no one else's (a new one 0755: the socket's own mode keeps clients out, --allow-uid ones pass)
@@ -193,7 +193,7 @@ def check_socket_path(path: str, given: bool = True) -> None:
                          f"bytes: give a shorter --socket (e.g. /run/lmctl/lmctl.sock)")
 
 
-class SocketUnreachable(StoreError):
+class SocketUnreachable(LmctlError):
     """``--allow-uid`` names a user whom the socket's place or mode keeps out."""
 
 

@@ -13,7 +13,7 @@ import stat
 from typing import Any
 
 from store import Store, StoreError
-from store.private import STORE_MARKER, check_folder, make_private_dir, open_file
+from store.format.private import STORE_MARKER, check_folder, make_private_dir, open_file
 
 from ..errors import UsageError
 from ..ops import check_pin_budgets
@@ -223,7 +223,7 @@ class Folders:
                 if cfg.to_json() != store.config.to_json():
                     store.configure(cfg)
                     log.info("store settings changed: %s", ", ".join(sorted(changes)))
-            except StoreError as exc:
+            except (StoreError, UsageError) as exc:
                 store.close()
                 raise UsageError(f"bad store setting: {exc}") from None
         return store

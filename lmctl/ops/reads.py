@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from store import ChunkInfo, Counts, Namespace, Store, StoreError, parse_key
-from store.keys import short_key
+from store.format.keys import short_key
 
 from ..errors import UsageError
 from ..selection import Recorded, arg, filters_of, recorded_namespaces, scope_of, select

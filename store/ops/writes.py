@@ -15,20 +15,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .admission import Admission
-from .clock import SYSTEM_CLOCK, Clock
-from .codec import CODEC_NAMES, Codec, codec_id
-from .config import TIER_ORDER, StoreConfig
-from .errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import TIER_ORDER, StoreConfig
+from ..errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
+from ..format.codec import CODEC_NAMES, Codec, codec_id
+from ..format.keys import DTYPE_SIZES, KEY_BYTES
+from ..format.record import encode_trailer, record_len
+from ..index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
+from ..index.schema import META_WRITE_PROBE
+from ..tiers.admission import Admission
+from ..tiers.sharing import Sharing, Stored
+from ..tiers.space import Slot, Space, TierState
+from ..types import PutItem, RewriteResult
 from .eviction import Evictor
-from .index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
-from .keys import DTYPE_SIZES, KEY_BYTES
 from .reads import Reads
-from .schema import META_WRITE_PROBE
-from .segment import encode_trailer, record_len
-from .sharing import Sharing, Stored
-from .space import Slot, Space, TierState
-from .types import PutItem, RewriteResult
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -65,7 +65,7 @@ class Writes:
                  config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
                  admission: Admission, remote: Callable[[], Sharing | None] = lambda: None,
                  clock: Clock = SYSTEM_CLOCK) -> None:
-        """``admission``: which saves reach the nvme tier (store/admission.py); ``remote``: the
+        """``admission``: which saves reach the nvme tier (store/tiers/admission.py); ``remote``: the
         remote tier as it is now (None: none), which takes the chunks a put stores (write
         ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
@@ -92,7 +92,7 @@ class Writes:
         ``SPILL_RETRY_S`` before the default tier is tried again. A tier named by the caller
         never spills, and is never asked for admission. With ``admit = "second-hit"`` a save
         to the default tier records its keys in the ghost list, and one that goes to the nvme
-        tier writes only the chunks admission lets in (store/admission.py)."""
+        tier writes only the chunks admission lets in (store/tiers/admission.py)."""
         if tier is not None:
             return self.put_many(items, tier, level=level), tier, [False] * len(items)
         first = self._config().default_tier
@@ -150,7 +150,7 @@ class Writes:
         """See ``Store.put_many``. ``replace``: keys whose current entry (as given) this
         batch replaces, for ``rewrite``; ``share``: tell ``on_stored`` (not for a rewrite or
         a chunk that came from the remote tier); ``note``: keys to record in the ghost list
-        (store/admission.py) in the reserving transaction, stored or not."""
+        (store/tiers/admission.py) in the reserving transaction, stored or not."""
         st = self.space.tier(tier or self._config().default_tier)
         codec = self._codec()
         prepared = []

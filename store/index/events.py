@@ -4,7 +4,7 @@ Events are written in the transaction that makes the change they describe (an ev
 a corrupt chunk dropped, a pin), so logging costs no transaction of its own; dropped
 saves, which change nothing in the index, arrive in batches (``Store.record_dropped_saves``).
 
-Rows of the ``events`` sub-database (their keys are declared in store/schema.py):
+Rows of the ``events`` sub-database (their keys are declared in store/index/schema.py):
 
 =============================  ==============  ==============================================
 key                            value           what
@@ -29,7 +29,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .index import Index, Txn
+from . import Index, Txn
 from .schema import EVENT_COUNTER, EVENT_ROW, event_key_row, event_ref_row, event_row, event_seq
 
 #: event kinds and the name of each one's counter family

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import StoreError
+from ..errors import StoreError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -7,7 +7,7 @@ again from what the index holds (the block hashes depend on the cache salt, whic
 keeps only as a digest), so the engine leaves them here, opaque to the store: one record per
 chunk, written in batches.
 
-Rows of the ``announce`` sub-database (keys declared in store/schema.py):
+Rows of the ``announce`` sub-database (keys declared in store/index/schema.py):
 
 ===============================================  ============  ================================
 key                                              value         what
@@ -28,8 +28,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from .index import Index, Txn
-from .schema import ANNOUNCE_ROW, announce_key_row, announce_row, key_after
+from ..index import Index, Txn
+from ..index.schema import ANNOUNCE_ROW, announce_key_row, announce_row, key_after
 
 _BE32 = struct.Struct(">I")
 #: the largest record kept (a 256-token chunk's record is about 1.5 KB)

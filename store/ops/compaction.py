@@ -9,11 +9,12 @@ import functools
 import threading
 from collections.abc import Callable
 
-from .config import StoreConfig
-from .index import SEG_SEALED, Index, Txn, drop_corrupt, trailer_mismatch
-from .segment import ALIGN, CorruptRecord, SegmentGone, encode_trailer
-from .space import Space, TierState
-from .types import Compacted
+from ..config import StoreConfig
+from ..format.record import ALIGN, encode_trailer
+from ..format.segment import CorruptRecord, SegmentGone
+from ..index import SEG_SEALED, Index, Txn, drop_corrupt, trailer_mismatch
+from ..tiers.space import Space, TierState
+from ..types import Compacted
 
 
 class Compactor:

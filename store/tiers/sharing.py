@@ -1,6 +1,6 @@
 """Sharing: the remote tier as a store sees it.
 
-The local tiers come first; the remote tier (``store/remote.py``) is asked only about what
+The local tiers come first; the remote tier (``store/tiers/remote.py``) is asked only about what
 they lack: lookups extend the local prefix with one pipelined round trip, a read that misses
 locally is read remotely (verified there and decoded here) and, with ``promote``, stored in
 the local default tier. With ``write = "always"`` every chunk stored locally is put remotely
@@ -18,12 +18,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .clock import SYSTEM_CLOCK, Clock
-from .codec import CODEC_NAMES, Codec, codec_id
-from .config import RemoteConfig
-from .errors import StoreError
-from .keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, boundary_keys, chain_hash
-from .types import ChunkInfo, LookupResult, Origin, PartialHit, PutItem, RewriteResult
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import RemoteConfig
+from ..errors import StoreError
+from ..format.codec import CODEC_NAMES, Codec, codec_id
+from ..format.keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, boundary_keys, chain_hash
+from ..types import ChunkInfo, LookupResult, Origin, PartialHit, PutItem, RewriteResult
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

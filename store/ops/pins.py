@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .config import StoreConfig, human_size
-from .errors import PinBudgetError, StoreError
-from .index import Index, Txn, label_key
-from .keys import KEY_BYTES
-from .space import TierState
+from ..config import StoreConfig, human_size
+from ..errors import PinBudgetError, StoreError
+from ..format.keys import KEY_BYTES
+from ..index import Index, Txn
+from ..index.schema import label_key
+from ..tiers.space import TierState
 
 
 class _RolledBack(Exception):

@@ -15,12 +15,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import StoreConfig, TierConfig
+from ..errors import StoreError
+from ..format.record import ALIGN
+from ..format.segment import SegmentIO
+from ..index import SEG_OPEN, SEG_SEALED, Index, SegmentRecord, Txn
 from .admission import note_written
-from .clock import SYSTEM_CLOCK, Clock
-from .config import StoreConfig, TierConfig
-from .errors import StoreError
-from .index import SEG_OPEN, SEG_SEALED, Index, SegmentRecord, Txn
-from .segment import ALIGN, SegmentIO
 
 log = logging.getLogger("lmctl.store")
 

@@ -18,11 +18,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .clock import SYSTEM_CLOCK, Clock
-from .codec import CODEC_NAMES, Codec, max_encoded
-from .config import TIER_NAMES, StoreConfig
-from .errors import CorruptEntry, IndexReopened, StoreError
-from .index import (
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import TIER_NAMES, StoreConfig
+from ..errors import CorruptEntry, IndexReopened, StoreError
+from ..format.codec import CODEC_NAMES, Codec, max_encoded
+from ..format.keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, NamespaceRecord, boundary_keys, chain_hash, short_key
+from ..format.record import RecordTrailer
+from ..format.segment import CorruptRecord, SegmentGone
+from ..index import (
     ENTRY_CODEC_OFFSET,
     ENTRY_TIER_OFFSET,
     Entry,
@@ -31,18 +34,24 @@ from .index import (
     drop_corrupt,
     drop_unreadable,
     entry_delta,
-    lru_chunk,
-    lru_key,
     origin_of,
     trailer_mismatch,
     unpack_counts,
 )
-from .keys import DTYPE_SIZES, NS_ID_BYTES, Namespace, NamespaceRecord, boundary_keys, chain_hash, short_key
-from .metrics import GAUGE_PREFIX, PREFIX, Cell, Gauge, Meter, add_to_cells, parse_cells, parse_gauges, put_gauges
-from .schema import COUNT_LABEL, COUNT_LABEL_KEYS, COUNT_NS
-from .segment import CorruptRecord, RecordTrailer, SegmentGone
-from .space import TierState
-from .types import Chunk, ChunkInfo, Counts, LookupResult, PartialHit, StoreCounts
+from ..index.metrics import (
+    GAUGE_PREFIX,
+    PREFIX,
+    Cell,
+    Gauge,
+    Meter,
+    add_to_cells,
+    parse_cells,
+    parse_gauges,
+    put_gauges,
+)
+from ..index.schema import COUNT_LABEL, COUNT_LABEL_KEYS, COUNT_NS, lru_chunk, lru_key
+from ..tiers.space import TierState
+from ..types import Chunk, ChunkInfo, Counts, LookupResult, PartialHit, StoreCounts
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -122,7 +131,7 @@ class Reads:
         self._chunk_bytes: dict[bytes, int] = {}  # namespace id -> its chunk's raw bytes (read_bound)
         self._counts = {"hits": 0, "misses": 0}
         self._last_flush = clock.monotonic()
-        #: this process's pending metric deltas (store/metrics.py), written with the access log
+        #: this process's pending metric deltas (store/index/metrics.py), written with the access log
         self.meter = Meter(clock)
         self._timer: threading.Timer | None = None
         self._flushing = False  # a timed flush is under way (at most one: it may be stalled by the disk)
@@ -627,7 +636,7 @@ class Reads:
             raise
 
     def metric_cells(self) -> list[Cell]:
-        """The metric totals (store/metrics.py): every process's flushed counts, plus this
+        """The metric totals (store/index/metrics.py): every process's flushed counts, plus this
         process's pending ones (added here in memory: nothing is written)."""
         self._collect()
         counts, hists, _gauges = self.meter.peek()
@@ -636,7 +645,7 @@ class Reads:
         return parse_cells(sorted(rows.items()))
 
     def metric_gauges(self, max_age_s: float | None) -> list[Gauge]:
-        """The gauges processes set within ``max_age_s`` (store/metrics.py), this process's
+        """The gauges processes set within ``max_age_s`` (store/index/metrics.py), this process's
         pending values included."""
         rows = dict(self._meta_rows(GAUGE_PREFIX))
         put_gauges(rows.__setitem__, self.meter.peek()[2])

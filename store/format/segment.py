@@ -5,27 +5,7 @@ whose id is in the index and who holds an exclusive ``flock`` on the file) and n
 rewritten: records are appended at 4 KiB-aligned offsets and, once indexed, their
 bytes never change. Segments are removed whole after compaction.
 
-Record layout: the payload first, at a 4 KiB-aligned offset, zero-padded to a
-multiple of 4 KiB, then one 4 KiB trailer that describes it (integers little-endian)::
-
-    0   magic        8s  b"LMCTLREC"
-    8   version      H
-    10  codec        B
-    11  flags        B
-    12  key_len      H
-    14  meta_len     H
-    16  stored_len   Q   payload bytes as stored (after the codec)
-    24  raw_len      Q   payload bytes after decoding
-    32  checksum     Q   xxh3-64 of the stored payload
-    40  created      d   unix time
-    48  crc          I   crc32 of bytes 0..47 + key + meta
-    52  reserved     12x
-    64  key, meta (JSON: layout, tokens), zero padding to 4096
-
-Every record is self-describing, so the index can be rebuilt from segments alone.
-The trailer comes last because it carries the payload's checksum, computed while the
-payload streams out; it goes to disk in the same write as the payload's last span,
-so a record is one sequential append. Payloads are page-aligned, so page-aligned
+The record format is in ``record.py``. Payloads are page-aligned, so page-aligned
 buffers go to and from the disk with O_DIRECT and no copy; others pass through
 reused aligned staging buffers. Large transfers are split into spans, several in
 flight at once on the tier's I/O threads, so hashing and copying overlap the disk.
@@ -36,148 +16,46 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import mmap
 import os
 import secrets
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
-from .clock import SYSTEM_CLOCK, Clock
-from .codec import max_encoded
-from .errors import StoreError
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import StoreError
 from .private import FILE_MODE, SAFE_OPEN, UnsafePath, check_folder, file_problem, make_private_dir
+from .record import (
+    ALIGN,
+    REC_MAGIC,
+    SEG_MAGIC,
+    SEG_VERSION,
+    SEGMENT_HEADER,
+    TRAILER_BLOCK,
+    RecordTrailer,
+    align_up,
+    checksum,
+    decode_trailer,
+    header_problem,
+    is_aligned,
+    segment_name,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("lmctl.store")
 
-ALIGN = 4096
 WRITE_SPAN = 8 << 20  # writes: pipelining granularity for large transfers
 READ_SPAN = 2 << 20  # reads: small enough that hashing span k overlaps reading the next ones
 #: I/O requests in flight per transfer (measured: benchmarks/store_io.py --depths)
 IO_DEPTH = 4
-REC_MAGIC = b"LMCTLREC"
-SEG_MAGIC = b"LMCTLSEG"
-REC_VERSION = 1
-SEG_VERSION = 1
-_REC = struct.Struct("<8sHBBHHQQQdI12x")
-#: magic, version, segment id, created, the id of the store that made it (zeros: written
-#: before store ids; its first 4 KiB is the header, the rest zeros)
-_SEGMENT_HEADER = struct.Struct("<8sHQd16s")
-REC_FIXED = _REC.size  # 64
-#: no chunk is this large (a 256-token chunk of a 70B model's KV is under 100 MB): a length
-#: claimed past it, by an index entry or a trailer, is damage
-MAX_CHUNK_BYTES = 1 << 34
-TRAILER_BLOCK = ALIGN  # every record ends with one 4 KiB trailer block
-assert REC_FIXED == 64
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def checksum(data: Buffer) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def record_len(stored_len: int) -> int:
-    return TRAILER_BLOCK + align_up(stored_len)
-
-
-def is_aligned(view: memoryview) -> bool:
-    import numpy as np
-
-    if len(view) == 0:
-        return False
-    return bool(np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0)
-
-
-def header_problem(head: bytes) -> str | None:
-    """Why a segment file's first bytes rule it out as a segment this lmctl reads, or None."""
-    magic, version, _seg_id, _created, _store = _SEGMENT_HEADER.unpack_from(head, 0)
-    if magic != SEG_MAGIC:
-        return "not an lmctl segment (its header has no segment magic)"
-    if version != SEG_VERSION:
-        return (f"segment format {version}, which this lmctl (format {SEG_VERSION}) does not read"
-                + ("; use a newer lmctl" if version > SEG_VERSION else ""))
-    return None
-
-
-def segment_name(seg_id: int) -> str:
-    return f"seg-{seg_id:012d}.lseg"
-
-
-@dataclass(frozen=True)
-class RecordTrailer:
-    codec: int
-    key: bytes
-    meta: dict[str, Any]
-    stored_len: int
-    raw_len: int
-    checksum: int
-    created: float
-    trailer_len: int
-
-    @property
-    def record_len(self) -> int:
-        return self.trailer_len + align_up(self.stored_len)
-
-    @property
-    def trailer_offset(self) -> int:
-        """Offset of the trailer from the record's start."""
-        return align_up(self.stored_len)
-
-
-def encode_trailer(
-    key: bytes, codec: int, meta: dict[str, Any], stored_len: int, raw_len: int, csum: int,
-    created: float,
-) -> bytes:
-    meta_b = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
-    body = _REC.pack(REC_MAGIC, REC_VERSION, codec, 0, len(key), len(meta_b), stored_len,
-                     raw_len, csum, created, 0)
-    crc = zlib.crc32(body[:48] + key + meta_b)
-    body = body[:48] + struct.pack("<I", crc) + body[52:]
-    trailer = body + key + meta_b
-    if len(trailer) > TRAILER_BLOCK:
-        raise StoreError(f"record trailer of {len(trailer)} bytes is over {TRAILER_BLOCK}; shorten the metadata")
-    return trailer + b"\0" * (TRAILER_BLOCK - len(trailer))
-
-
-def decode_trailer(buf: Buffer) -> RecordTrailer | None:
-    """Parse a record trailer at the start of ``buf``; None if it is not a valid trailer."""
-    mv = memoryview(buf)
-    if len(mv) < REC_FIXED:
-        return None
-    (magic, version, codec, _flags, key_len, meta_len, stored_len, raw_len, csum, created,
-     crc) = _REC.unpack_from(mv, 0)
-    if magic != REC_MAGIC or version != REC_VERSION:
-        return None
-    if raw_len >= MAX_CHUNK_BYTES or stored_len > max_encoded(codec, raw_len) or (codec == 0 and stored_len != raw_len):
-        return None  # lengths no writer makes: nothing may be sized by them
-    end = REC_FIXED + key_len + meta_len
-    if end > min(len(mv), TRAILER_BLOCK):
-        return None
-    key = bytes(mv[REC_FIXED : REC_FIXED + key_len])
-    meta_b = bytes(mv[REC_FIXED + key_len : end])
-    if zlib.crc32(bytes(mv[:48]) + key + meta_b) != crc:
-        return None
-    try:
-        meta = json.loads(meta_b)
-    except ValueError:
-        return None
-    return RecordTrailer(codec, key, meta, stored_len, raw_len, csum, created, TRAILER_BLOCK)
-
 
 class AlignedPool:
     """Reusable page-aligned buffers (anonymous mmaps).
@@ -283,7 +161,7 @@ class SegmentIO:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             buf[:ALIGN] = b"\0" * ALIGN
             sid = bytes.fromhex(self.store_id) if self.store_id else bytes(16)
-            _SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, self.clock.time(), sid)
+            SEGMENT_HEADER.pack_into(buf, 0, SEG_MAGIC, SEG_VERSION, seg_id, self.clock.time(), sid)
             if os.pwrite(fd, memoryview(buf)[:ALIGN], 0) != ALIGN:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
         except BaseException:
@@ -369,7 +247,7 @@ class SegmentIO:
     # -- opening what is on disk ---------------------------------------------------
     def open_checked(self, seg_id: int, flags: int, written: bool = True) -> int:
         """Open segment ``seg_id``'s file without following a link or blocking on a FIFO,
-        and check it is a regular file the store may trust (``store.private.file_problem``);
+        and check it is a regular file the store may trust (``store.format.private.file_problem``);
         ``ForeignSegment`` if not, ``FileNotFoundError`` if there is none."""
         path = self.path(seg_id)
         direct = flags & getattr(os, "O_DIRECT", 0)
@@ -398,12 +276,12 @@ class SegmentIO:
         user with no header yet (its writer was killed as it made it) passes too."""
         fd = self.open_checked(seg_id, flags, written=flags & os.O_ACCMODE != os.O_RDONLY)
         try:
-            head = os.pread(fd, _SEGMENT_HEADER.size, 0)
-            if len(head) < _SEGMENT_HEADER.size or not any(head[: len(SEG_MAGIC)]):
+            head = os.pread(fd, SEGMENT_HEADER.size, 0)
+            if len(head) < SEGMENT_HEADER.size or not any(head[: len(SEG_MAGIC)]):
                 if headless:
                     return fd
                 raise ForeignSegment(f"{self.path(seg_id)} has no segment header")
-            magic, _version, sid, _created, store = _SEGMENT_HEADER.unpack(head)
+            magic, _version, sid, _created, store = SEGMENT_HEADER.unpack(head)
             if magic != SEG_MAGIC or sid != seg_id:
                 raise ForeignSegment(f"{self.path(seg_id)}'s header is not that of segment {seg_id}")
             if self.store_id is not None and store != bytes(16) and store.hex() != self.store_id:
@@ -572,7 +450,7 @@ class SegmentIO:
         """
         path = self.path(seg_id)
         with open(self.open_own(seg_id), "rb", buffering=0) as f:
-            why = header_problem(os.pread(f.fileno(), _SEGMENT_HEADER.size, 0))
+            why = header_problem(os.pread(f.fileno(), SEGMENT_HEADER.size, 0))
             if why is not None:  # its records may mean something else: none is taken
                 log.warning("skipped segment file %s: %s", path, why)
                 return

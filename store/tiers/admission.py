@@ -13,7 +13,7 @@ saved before it arrived; otherwise it is dropped (counted with path ``spill``). 
 chunks (and chunks promoted from the remote tier, which were read) are always admitted;
 chunks a caller puts to a named tier, moves and compaction are never asked.
 
-The ghost list lives in the index (sub-database ``admission``, store/schema.py), so it
+The ghost list lives in the index (sub-database ``admission``, store/index/schema.py), so it
 survives restarts and every process of a store shares it: a row per key fingerprint (16
 bytes of BLAKE2b of the chunk key) with its ring slot and how often it was saved, and a ring
 of ``admit_ghosts`` slots replaced in FIFO order (the counter ``ghost_hand`` turns it): the
@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .clock import SYSTEM_CLOCK, Clock
-from .config import TIER_IDS, StoreConfig
-from .index import ORIGIN_REMOTE, Entry, Index, Txn
-from .schema import (
+from ..clock import SYSTEM_CLOCK, Clock
+from ..config import TIER_IDS, StoreConfig
+from ..index import ORIGIN_REMOTE, Entry, Index, Txn
+from ..index.schema import (
     GHOST_SLOT,
     ghost_row,
     ghost_slot_row,

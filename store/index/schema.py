@@ -1,6 +1,6 @@
 """The index's layout: its sub-databases and every key in them, declared in one place.
 
-Only ``store/index.py`` opens LMDB and reads or writes it (``Txn``); the other parts name a
+Only ``store/index/__init__.py`` opens LMDB and reads or writes it (``Txn``); the other parts name a
 sub-database by its name here and build their keys with the functions here, so no other
 module invents a key prefix. (No imports beyond the standard library: the CLI reads the
 metric and event names without opening anything.)
@@ -11,7 +11,7 @@ name        key                                         value
 meta        ``META_*`` names (``config``, ...)          settings JSON, version, salt key, ...
             ``c:<name>`` (``COUNTER``)                  counter (u64 little-endian)
             ``c:ev:<kind>:<reason>`` (``EVENT_COUNTER``) the event counters (a kind of counter)
-            ``m:`` + name and labels (``METRIC_CELL``)  a metric's totals (store/metrics.py)
+            ``m:`` + name and labels (``METRIC_CELL``)  a metric's totals (store/index/metrics.py)
             ``g:`` + name and labels (``METRIC_GAUGE``) a gauge's value and time
 chunks      chunk key (48 bytes)                        ``Entry`` (packed, then layout JSON)
 lru         tier id (1) + access time ns (BE u64) + key  empty
@@ -22,7 +22,7 @@ labels      label + NUL + chunk key                     pin time (BE u64)
 namespaces  namespace id (16 bytes)                     namespace record JSON
 prefixes    ``p`` + prefix id (16) + namespace id (16)  chunk key: which namespaces hold a
             ``k`` + chunk key                           token prefix, and back (explain)
-events      ``e`` + seq (BE u64)                        event JSON (store/events.py)
+events      ``e`` + seq (BE u64)                        event JSON (store/index/events.py)
             ``k`` + chunk key                           seq (BE u64) of its latest event
             ``r`` + seq (BE u64) + chunk key            empty: the chunks an event names
 keylabels   chunk key + label                           empty (the labels pinning a key)
@@ -31,8 +31,8 @@ counts      ``n`` + namespace id + tier (1)             ``Counts`` of the namesp
             ``l`` + label + NUL + namespace id + tier   ``Counts`` of the label's stored chunks
             ``k`` + label                               keys the label pins (u64), stored or not
 announce    ``p`` + chain position (BE u32) + chunk key  an engine's announcement record
-            ``k`` + chunk key                           its position (store/announce.py)
-admission   ``g`` + key fingerprint (16 bytes)          the ghost list (store/admission.py):
+            ``k`` + chunk key                           its position (store/observe/announce.py)
+admission   ``g`` + key fingerprint (16 bytes)          the ghost list (store/tiers/admission.py):
                                                         slot (BE u32), sightings (u8)
             ``s`` + slot (BE u32)                       the fingerprint in that slot (a ring)
             ``w`` + tier (1) + hour (BE u64)            bytes written to the tier in that hour

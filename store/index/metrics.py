@@ -26,13 +26,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .clock import SYSTEM_CLOCK, Clock
+from ..clock import SYSTEM_CLOCK, Clock
 from .schema import METRIC_CELL, METRIC_GAUGE
 
 #: upper bounds (seconds) of the latency histograms' buckets
 SECONDS_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                       2.5, 5.0, 10.0)
-#: where the cells live in the index's meta sub-database (store/schema.py); gauges (a process's
+#: where the cells live in the index's meta sub-database (store/index/schema.py); gauges (a process's
 #: current value, e.g. an engine's save queue) are kept apart
 PREFIX, GAUGE_PREFIX = METRIC_CELL, METRIC_GAUGE
 #: a gauge whose value did not change is written again after this long, so readers that take

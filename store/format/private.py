@@ -31,7 +31,7 @@ import secrets
 import stat
 from collections.abc import Iterable
 
-from .errors import StoreError
+from ..errors import StoreError
 
 log = logging.getLogger("lmctl.store")
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .errors import StoreError
+from ..errors import StoreError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -29,13 +29,14 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from ..config import TIER_NAMES, StoreConfig
+from ..format.record import ALIGN
+from ..index import ENTRY_TIER_OFFSET, SEG_SEALED, Entry, Index, Txn, entry_head
+from ..index.schema import lru_chunk
+from ..tiers.space import Space
+from ..types import Evicted
 from .compaction import Compactor
-from .config import TIER_NAMES, StoreConfig
-from .index import ENTRY_TIER_OFFSET, SEG_SEALED, Entry, Index, Txn, entry_head, lru_chunk
 from .namespaces import Namespaces
-from .segment import ALIGN
-from .space import Space
-from .types import Evicted
 
 #: what moving a pinned byte out of a chosen segment costs, against losing a hot byte (1)
 PIN_COST = 4.0

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import StoreError
+from ..errors import StoreError
 
 DEFAULT_CHUNK_SIZE = 256
 #: the block (tokens) a lookup tries partial hits at when its caller names none: vLLM's

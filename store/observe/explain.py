@@ -3,7 +3,7 @@
 The evidence, in the order it is weighed:
 
 1. the remote tier, when the store has one and it does not answer (it may hold the chunk);
-2. the event log (``store/events.py``): the latest event that names the chunk's key says
+2. the event log (``store/index/events.py``): the latest event that names the chunk's key says
    it was evicted, dropped as corrupt, or that an engine dropped its save;
 3. the ``prefixes`` rows of the index: other namespaces that hold a chunk ending the same
    token prefix (the prefix id is namespace-free, ``keys.prefix_ids``). Each one's record is
@@ -20,14 +20,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .index import Index, prefix_row
-from .keys import Namespace, NamespaceRecord
-from .types import Explanation, LookupResult
+from ..format.keys import Namespace, NamespaceRecord
+from ..index import Index
+from ..index.schema import prefix_row
+from ..types import Explanation, LookupResult
 
 if TYPE_CHECKING:
-    from .events import EventLog
-    from .sharing import Sharing
-    from .store import Store
+    from ..index.events import EventLog
+    from ..store import Store
+    from ..tiers.sharing import Sharing
 
 #: differences between two namespaces, the one that names the reason first; of holders that
 #: differ in as many fields, the one whose first difference comes earlier here is the closer:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import StoreError
+from ..errors import StoreError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -1,12 +1,12 @@
 """The layout of a remote tier value, and what a read checks as its pieces arrive.
 
 ``RemoteMeta`` is what a chunk carries besides its stored bytes. A head's metadata
-(``pack_meta``/``unpack_meta``) sits inside the envelope store/remote_auth.py seals: stored
+(``pack_meta``/``unpack_meta``) sits inside the envelope store/format/remote_auth.py seals: stored
 and raw lengths, piece size and count, codec and level, tokens, write time, the writer's id,
 the payload's MAC and the layout JSON. ``Bounds`` are what a reader allows a head to claim,
 checked before anything is allocated. ``Read`` is one read in progress: it takes each
 piece's reply as it arrives (its length first, then its bytes, MAC'd, or decrypted in place,
-as they land) and gives the verdict. store/remote.py, the client, does the talking.
+as they land) and gives the verdict. store/tiers/remote.py, the client, does the talking.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .codec import CODEC_IDS, CODEC_NAMES
 from .remote_auth import AEAD_TAG_BYTES, MODE_PLAIN, PieceCipher, invalid_tag
 
 MiB = 1 << 20
-#: no stored payload is this large (as store/index.py's MAX_CHUNK_BYTES)
+#: no stored payload is this large (as store/index/__init__.py's MAX_CHUNK_BYTES)
 MAX_STORED = 1 << 34
 #: Redis refuses bulk strings over proto-max-bulk-len (512 MB by default)
 MAX_PIECE_BYTES = 512 * MiB
@@ -46,7 +46,7 @@ _META = struct.Struct("<QQIIBhIdI32s")
 class RemoteMeta:
     """What a remote chunk carries besides its stored bytes.
 
-    For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/codec.py) and its
+    For ``put``: ``raw_len`` (decoded length), ``codec`` (a name of store/format/codec.py) and its
     ``level``, ``layout`` and ``tokens``; ``checksum`` (xxh3-64 of the stored bytes, as the
     store's index keeps it) spares a tier without a secret hashing them again. The rest is
     filled in by the tier: ``stored_len``, ``written`` (Unix time of the put), ``piece_bytes``

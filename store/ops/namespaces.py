@@ -13,12 +13,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .clock import SYSTEM_CLOCK, Clock
-from .errors import StoreError
-from .index import Index, Txn
-from .keys import Namespace, NamespaceRecord
-from .private import SALT_KEY_BYTES, salt_digest
-from .schema import META_SALT_KEY
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import StoreError
+from ..format.keys import Namespace, NamespaceRecord
+from ..format.private import SALT_KEY_BYTES, salt_digest
+from ..index import Index, Txn
+from ..index.schema import META_SALT_KEY
 
 log = logging.getLogger("lmctl.store")
 

@@ -1,6 +1,6 @@
 """A circuit breaker: stop calling a failing server, probe it again after a backoff.
 
-Used by the remote tier (store/remote.py): a server that keeps failing costs no more network
+Used by the remote tier (store/tiers/remote.py): a server that keeps failing costs no more network
 round trips until a probe succeeds, and sharing resumes by itself when it is back.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .clock import SYSTEM_CLOCK
-from .errors import StoreError
+from ..clock import SYSTEM_CLOCK
+from ..errors import StoreError
 
 
 class CircuitBreaker:
