@@ -32,45 +32,39 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .clock import SYSTEM_CLOCK, Clock
-from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig, human_size
-from .errors import ReadOnlyError, StoreError, TierNotEmpty, is_read_only
+from .config import TIER_IDS, TIER_ORDER, StoreConfig, TierConfig
+from .errors import ReadOnlyError, StoreError, is_read_only
 from .format.codec import CODEC_NAMES, Codec, codec_id
 from .format.journal import COMPACT_BYTES as JOURNAL_COMPACT_BYTES
 from .format.journal import MetaJournal, replay
 from .format.keys import KEY_BYTES, PARTIAL_BLOCK, Namespace, NamespaceRecord, prefix_ids, short_key
 from .format.private import (
-    MEMORY_FILESYSTEMS,
-    STORE_MARKER,
-    UnsafePath,
     check_file,
     check_folder,
-    filesystem_type,
     make_private_dir,
-    marked_id,
-    new_store_id,
     open_file,
-    read_marker,
     tighten,
-    write_marker,
 )
 from .format.record import REC_FIXED, TRAILER_BLOCK
 from .format.segment import SegmentIO
-from .index import FORMAT_VERSION, FORMATS, Entry, Index, Txn
+from .index import FORMAT_VERSION, Entry, Index, Txn
 from .index.events import KINDS as EVENT_KINDS
 from .index.events import EventLog
 from .index.metrics import Cell, Gauge, Meter
-from .index.schema import META_BOOT_ID, META_CONFIG, META_FORMAT, META_STORE_ID
+from .index.schema import META_CONFIG
 from .observe.announce import Announcements
 from .observe.explain import explain_miss
+from .observe.report import Report
 from .ops.check import Checker
 from .ops.compaction import Compactor
 from .ops.eviction import Evictor
+from .ops.meta import StoreMeta
 from .ops.namespaces import Namespaces
 from .ops.pins import Pins
 from .ops.reads import Reads, expects
 from .ops.recovery import Recovery
 from .ops.writes import Writes, record_meta
-from .tiers.admission import Admission, WriteRate, write_rate
+from .tiers.admission import Admission, WriteRate
 from .tiers.sharing import Sharing, writer_id
 from .tiers.space import Space, TierState
 from .types import (
@@ -86,7 +80,6 @@ from .types import (
     RewriteResult,
     StoreCounts,
     StoreStats,
-    TierStats,
 )
 
 if TYPE_CHECKING:
@@ -194,16 +187,16 @@ class Store:
         # an index that is new while a journal exists: the index was lost; its settings,
         # salt key, namespaces and pins come back from the journal, its chunks from the segments
         restore = None
-        fresh = self._index_is_new()
+        self._meta = StoreMeta(self._index, self.path, self._journal_add)
+        fresh = self._meta.index_is_new()
         #: this store's id (in the index and in marker files; None: an earlier version's store
         #: opened read-only): a folder or segment that names another store is never used
-        self.store_id = self._identify(fresh)
+        self.store_id = self._meta.identify(fresh)
         if self._journal is not None and fresh and self._journal.size():
             restore = replay(self._journal.records())
             if config is None and restore["config"]:
                 config = StoreConfig.from_json(restore["config"])
-        self.config = self._load_config(config)
-        self._absolute_tier_paths()
+        self.config = self._meta.absolute_tier_paths(self._meta.load_config(config), self._tier_paths)
         events = self._index.event_log
         assert events is not None  # asked for above
         self._events: EventLog = events
@@ -227,19 +220,20 @@ class Store:
         self._evictor = Evictor(self._index, self._space, self._compactor, self._ns, cfg, self._lock)
         # a boot id recorded before recovery is built: whether the machine rebooted since the
         # last writable open tells recovery that a tmpfs tier is new, not lost
-        rebooted = False if readonly else self._note_boot()
+        rebooted = False if readonly else self._meta.note_boot()
         self._recovery = Recovery(self._index, self._space, self.path, self._lock, self.store_id, rebooted=rebooted,
                                   clock=self.clock)
         self._checker = Checker(self._index, self._space, self._recovery, self._lock, clock=self.clock)
         self._sharing: Sharing | None = None
         self._remote_refused: str | None = None  # why the configured remote tier did not start
-        self._remote_seen: tuple[object, dict[str, Any]] | None = None  # (tier, its stats at the last flush)
         # the access log has a lock of its own: a hit never waits for a write holding the store's
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
                             threading.RLock(), before_flush=(self._meter_remote,), clock=self.clock)
         self._admission = Admission(self._index, cfg, self.clock)
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
                               self._admission, remote=lambda: self._sharing, clock=self.clock)
+        self._report = Report(self._index, self._tiers, self._reads, self._admission, cfg, lambda: self._sharing,
+                              lambda: self._remote_refused, self.clock)
         self._share(self.config)
         self._promote_lock = threading.Lock()
         self._promoting: set[bytes] = set()
@@ -251,10 +245,10 @@ class Store:
                             "they were open to other users: %s", len(fixed), self.path,
                             ", ".join(f"{os.path.relpath(p, self.path)} ({m:04o})" for p, m in fixed[:6])
                             + (", ..." if len(fixed) > 6 else ""))
-            if self.format_version() < FORMAT_VERSION:
+            if self._meta.format_version() < FORMAT_VERSION:
                 self._checker.build_counts()  # before anything changes an entry
             self.recover()
-            if restore is not None or (self._index_is_empty() and self._segment_files()):
+            if restore is not None or (self._meta.index_is_empty() and self._segment_files()):
                 self._recovery.restore(restore, self._ns, self._pins)
             for name in self._tiers:
                 self._writes.make_room(name, 0)
@@ -263,37 +257,6 @@ class Store:
         else:
             for st in self._tiers.values():
                 self._recovery.check_marker(st)
-
-    def _identify(self, fresh: bool) -> str | None:
-        """This store's id: the index's and the store folder's marker's, which must agree (an
-        index that names another store, or none while the folder names one, was moved in:
-        refused before it could take this store's files for its own). A new store gets a
-        random id; a lost index gets the folder's back."""
-        marker = os.path.join(self.path, STORE_MARKER)
-        folder_id = marked_id(read_marker(marker))
-        with self._index.read() as t:
-            raw = t.get("meta", META_STORE_ID)
-        index_id = bytes(raw).decode() if raw is not None else None
-        if folder_id is not None and index_id != folder_id and (index_id is not None or not fresh):
-            index = os.path.join(self.path, "index")
-            raise UnsafePath(f"the index {index} is not this store's (it names store {index_id or 'none'}, the "
-                             f"folder is store {folder_id}): it was moved or copied in from elsewhere; put it back, "
-                             f"or move {index} aside so that the next open rebuilds this store's own index")
-        if self.readonly or index_id is not None and folder_id is not None:
-            return index_id or folder_id
-
-        def claim(t: Txn) -> str:  # in one transaction: engines of one new store start at once
-            raw = t.get("meta", META_STORE_ID)
-            if raw is not None:
-                return bytes(raw).decode()
-            made = folder_id or new_store_id()
-            t.put("meta", META_STORE_ID, made.encode())
-            return made
-
-        sid = self._index.write(claim)
-        if folder_id is None:  # written after the index has it: a reader of the marker finds it there
-            write_marker(marker, f"lmctl store {sid}: this folder and its tier folders belong to it\n")
-        return sid
 
     # -- the remote tier -------------------------------------------------------------------
     @property
@@ -347,36 +310,11 @@ class Store:
             old.close()
         self._sharing = new  # what the write path pushes to (``Writes``'s ``remote``)
 
-    #: RemoteStats fields -> (metric cell, labels) that ``_meter_remote`` adds up
-    _REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
-        "calls": ("remote_calls_total", {}), "timeouts": ("remote_errors_total", {"kind": "timeout"}),
-        "oom": ("remote_errors_total", {"kind": "oom"}), "short_circuited": ("remote_short_circuited_total", {}),
-        "puts": ("remote_puts_total", {"result": "stored"}),
-        "put_failures": ("remote_puts_total", {"result": "failed"}),
-        "hits": ("remote_reads_total", {"result": "hit"}), "misses": ("remote_reads_total", {"result": "miss"}),
-        "lookups": ("remote_lookups_total", {}), "torn": ("remote_bad_values_total", {"kind": "torn"}),
-        "foreign": ("remote_bad_values_total", {"kind": "foreign"}),
-        "forged": ("remote_bad_values_total", {"kind": "forged"}),
-        "evicted_discovered": ("remote_bad_values_total", {"kind": "evicted"}),
-        "too_small": ("remote_bad_values_total", {"kind": "too_small"}),
-        "bytes_out": ("remote_bytes_total", {"direction": "out"}),
-        "bytes_in": ("remote_bytes_total", {"direction": "in"}),
-    }
-
     def _meter_remote(self, meter: Meter) -> None:
         """Add what the remote tier's counters did since the last flush to the metrics."""
         sharing = self._sharing
-        if sharing is None:
-            return
-        now = sharing.tier.stats().to_dict()
-        seen = self._remote_seen
-        before = seen[1] if seen is not None and seen[0] is sharing.tier else {}
-        self._remote_seen = (sharing.tier, now)
-        for field, (cell, labels) in self._REMOTE_CELLS.items():
-            meter.inc(cell, now[field] - before.get(field, 0), **labels)
-        other = (now["errors"] - now["timeouts"] - now["oom"]) - (
-            before.get("errors", 0) - before.get("timeouts", 0) - before.get("oom", 0))
-        meter.inc("remote_errors_total", other, kind="other")
+        if sharing is not None:
+            sharing.meter(meter)
 
     def count_lookup(self, ns: Namespace, hit_tokens: int, tokens: int) -> None:
         """Count an engine's lookup of a prompt of ``tokens`` tokens that found ``hit_tokens``
@@ -433,111 +371,11 @@ class Store:
             self._promoting.add(key)
 
     # -- settings ------------------------------------------------------------------------
-    def _note_boot(self) -> bool:
-        """Record this boot's id in the index; whether another boot recorded the last one."""
-        try:
-            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-                boot = f.read().strip()
-        except OSError:
-            return False
-        def fn(t: Txn) -> bool:
-            old = t.get("meta", META_BOOT_ID)
-            if old != boot:
-                t.put("meta", META_BOOT_ID, boot)
-            return old is not None and bytes(old) != boot
-
-        return self._index.write(fn)
-
     def _add_tier(self, name: str, cfg: TierConfig | None = None) -> None:
         cfg = cfg or self.config.tiers[name]
         d = cfg.path or os.path.join(self.path, name)
         io = SegmentIO(d, readonly=self.readonly, what=f"{name} folder", store_id=self.store_id, clock=self.clock)
         self._tiers[name] = TierState(name, TIER_IDS[name], cfg, io)
-
-    def _load_config(self, config: StoreConfig | None) -> StoreConfig:
-        """The stored settings; ``config`` (or the defaults, for a new index) are written
-        and journaled instead when given."""
-        if self.readonly:
-            with self._index.read() as t:
-                raw = t.get("meta", META_CONFIG)
-                self._check_format(t.get("meta", META_FORMAT))
-            return StoreConfig.from_json(bytes(raw)) if raw else StoreConfig()
-
-        def load(t: Txn) -> tuple[StoreConfig, bool]:
-            raw = t.get("meta", META_CONFIG)
-            ver = t.get("meta", META_FORMAT)
-            self._check_format(ver)
-            if ver is None:
-                # a new index is of this format; one with chunks but no mark is of the first
-                fresh = t.entries("chunks") == 0
-                t.put("meta", META_FORMAT, str(FORMAT_VERSION if fresh else 1).encode())
-            if config is None and raw is not None:
-                return StoreConfig.from_json(bytes(raw)), False
-            cfg = config or StoreConfig()
-            cfg.validate()
-            t.put("meta", META_CONFIG, cfg.to_json().encode())
-            return cfg, True
-
-        cfg, written = self._index.write(load)
-        if written:
-            self._journal_add("config", config=cfg.to_json())
-        return cfg
-
-    def _absolute_tier_paths(self) -> None:
-        """Refuse (or, with ``tier_paths``, fix) tier folders recorded as relative paths."""
-        relative = {n: t.path for n, t in self.config.tiers.items() if t.path and not os.path.isabs(t.path)}
-        if not relative:
-            return
-        given = {n: p for n, p in self._tier_paths.items() if n in relative and os.path.isabs(p)}
-        missing = sorted(set(relative) - set(given))
-        if missing or self.readonly:
-            n = (missing or sorted(relative))[0]
-            raise StoreError(f"store {self.path}: tier {n}'s folder is recorded as the relative path "
-                             f"{relative[n]!r} (an older lmctl kept --tier-path as typed), which each process "
-                             "would look for from its own working folder; record its absolute path once: "
-                             f"lmctl serve --store {self.path} --tier-path {n}=/ABSOLUTE/FOLDER")
-        cfg = StoreConfig.from_json(self.config.to_json())
-        for n, p in given.items():
-            cfg.tiers[n].path = p
-        self._index.write(lambda t: t.put("meta", META_CONFIG, cfg.to_json().encode()), durable=True)
-        self._journal_add("config", config=cfg.to_json())
-        self.config = cfg
-        log.warning("store %s: tier folder(s) recorded as relative paths are now recorded absolute: %s", self.path,
-                    ", ".join(f"{n} {relative[n]!r} -> {p}" for n, p in sorted(given.items())))
-
-    def _check_format(self, raw: bytes | memoryview | None) -> int | None:
-        """The index's format version (None: not marked yet), if this lmctl opens it: a newer
-        one is refused before anything is read the way this version would misread it."""
-        if raw is None:
-            return None
-        try:
-            ver = int(bytes(raw))
-        except ValueError:
-            raise StoreError(f"store {self.path}: its format version {bytes(raw)[:20]!r} is not a number; the "
-                             "index is damaged or not an lmctl index (restore it, or move it aside to rebuild it "
-                             "from the segment files)") from None
-        if ver not in FORMATS:
-            raise StoreError(f"store {self.path} is of format {ver}, which this lmctl (format {FORMAT_VERSION}) "
-                             "does not open" + ("; use the lmctl that wrote it, or a newer one"
-                                                if ver > FORMAT_VERSION else ""))
-        return ver
-
-    def _check_change(self, config: StoreConfig) -> list[str]:
-        """Refuse settings this store cannot take: invalid ones, a tier's folder changed, a
-        tier removed that holds chunks. The tiers the settings remove."""
-        config.validate()
-        for name, st in self._tiers.items():
-            if name not in config.tiers:
-                continue
-            new_dir = config.tiers[name].path or os.path.join(self.path, name)
-            if os.path.abspath(new_dir) != os.path.abspath(st.io.dir):
-                raise StoreError(f"tier {name}'s folder cannot change while the store uses it ({st.io.dir}); "
-                                 "stop every process that uses the store and move the folder first")
-        removed = [name for name in self._tiers if name not in config.tiers]
-        with self._index.read() as t:  # an empty tier only: said before anything changes
-            for name in removed:
-                self._check_empty(t, name, config)
-        return removed
 
     def eviction_plan(self, config: StoreConfig) -> dict[str, tuple[list[tuple[bytes, int]], str | None]]:
         """What ``configure(config)`` would evict at once, changing nothing: by tier, the
@@ -546,7 +384,7 @@ class Store:
         would move to (None: they would be dropped). Settings ``configure`` refuses are
         refused here too. Compaction of dead space, which ``configure`` may also run, is not
         counted."""
-        self._check_change(config)
+        self._meta.check_change(config, self._tiers)
         out: dict[str, tuple[list[tuple[bytes, int]], str | None]] = {}
         with self._lock:
             for name in self._tiers:
@@ -564,7 +402,7 @@ class Store:
         change; a tier is removed only while it holds no chunks (its segment files, all dead
         records, are deleted; its folder stays). The new settings are synced to disk before
         this returns."""
-        removed = self._check_change(config)
+        removed = self._meta.check_change(config, self._tiers)
         old_events_max = self.config.event_log_max
         old_ghosts = self.config.admit_ghosts
         sharing = self._new_sharing(config)  # a remote tier that cannot start refuses the settings, changing nothing
@@ -583,7 +421,7 @@ class Store:
                 raise
             def write(t: Txn) -> None:
                 for name in removed:  # checked in the transaction that removes it: no chunk arrives meanwhile
-                    self._check_empty(t, name, config)
+                    self._meta.check_empty(t, name, config)
                     for sid, seg in t.segments():
                         if seg.tier == TIER_IDS[name]:
                             t.drop_segment(name, sid, seg)
@@ -615,30 +453,10 @@ class Store:
             for name in self._tiers:
                 self._writes.make_room(name, 0)
 
-    @staticmethod
-    def _check_empty(t: Txn, name: str, config: StoreConfig) -> None:
-        """Refuse to remove the tier ``name`` while it holds chunks."""
-        n = t.counter(f"count:{name}")
-        if n:
-            other = next(iter(config.tiers))
-            raise TierNotEmpty(f"tier {name} holds {n} chunk(s), {human_size(t.counter(f'live:{name}'))}: move or "
-                             f"evict them first (lmctl move --tier {name} --to {other}, or lmctl evict --tier "
-                             f"{name}), then remove it")
-
     # -- the metadata journal (store/format/journal.py) -------------------------------------------
     def format_version(self) -> int:
         """The format of the index (1: written before the counts were kept)."""
-        with self._index.read() as t:
-            ver = self._check_format(t.get("meta", META_FORMAT))
-        return 1 if ver is None else ver
-
-    def _index_is_new(self) -> bool:
-        with self._index.read() as t:
-            return t.get("meta", META_CONFIG) is None
-
-    def _index_is_empty(self) -> bool:
-        with self._index.read() as t:
-            return t.entries("chunks") == 0 and t.entries("segs") == 0
+        return self._meta.format_version()
 
     def _segment_files(self) -> bool:
         return any(st.io.segment_ids() for st in self._tiers.values())
@@ -1225,80 +1043,30 @@ class Store:
         """Usage per tier and the store's counters, as committed (this process's pending hit
         and miss counts added; other processes' arrive within their ``access_flush_s``). Reads
         only: a stalled disk under the index's writers never makes this wait."""
-        pending = self._reads.pending_counts()
-        with self._index.read() as t:
-            counters = {k: t.counter(k) + pending.get(k, 0) for k in (
-                "puts", "payload_bytes", "written_bytes", "hits", "misses", "corrupt", "evicted",
-                "rejected_full", "compacted_bytes", "pin_reserved", "evicted_retired")}
-            segs = t.segments()
-            tiers = {}
-            counted = self._reads.counts(t)
-            for name, st in self._tiers.items():
-                mine = [s for _sid, s in segs if s.tier == st.tid]
-                tiers[name] = TierStats(
-                    chunks=t.counter(f"count:{name}"), bytes=t.counter(f"live:{name}"),
-                    disk_bytes=t.counter(f"used:{name}"), dead_bytes=sum(s.dead_bytes for s in mine),
-                    segments=len(mine), capacity=st.cfg.capacity, pinned_bytes=t.counter(f"pinned:{name}"),
-                    pin_budget=st.cfg.pin_budget_bytes, direct_io=st.io.direct, path=st.io.dir,
-                    pinned_chunks=counted.total(tier=name).pinned_chunks)
-        wa = counters["written_bytes"] / counters["payload_bytes"] if counters["payload_bytes"] else 0.0
-        return StoreStats(tiers, counters, wa, None if self._sharing is None else self._sharing.stats(),
-                          self._remote_refused)
+        return self._report.stats()
 
     def write_rates(self) -> dict[str, WriteRate]:
         """Bytes written to the nvme tier (all time, the last 24 h, the rate per day projected
         from them) and its write budget (``tiers.nvme.write_budget``), kept in the index so that
         every process's writes count and a restart keeps the day (store/tiers/admission.py). Empty
         for a store without an nvme tier."""
-        st = self._tiers.get("nvme")
-        if st is None:
-            return {}
-        with self._index.read() as t:
-            return {"nvme": write_rate(t, "nvme", self.clock.time(), st.cfg.write_budget, st.cfg.write_budget_bytes)}
+        return self._report.write_rates()
 
     def admission_stats(self) -> dict[str, Any]:
         """The ``admit`` setting and what it did: keys the ghost list remembers (and may), and
         the chunks (and their bytes) kept off the nvme tier, by path (``put``: an engine's
         save to nvme; ``spill``: a chunk dropped as it left dram), every process's."""
-        out: dict[str, Any] = {"admit": self.config.admit, "ghosts": self._admission.ghosts(),
-                               "ghosts_max": self.config.admit_ghosts,
-                               "not_admitted": {"put": 0, "spill": 0}, "not_admitted_bytes": {"put": 0, "spill": 0}}
-        for c in self.metric_cells():
-            if c.name in ("not_admitted_total", "not_admitted_bytes_total"):
-                field = "not_admitted" if c.name == "not_admitted_total" else "not_admitted_bytes"
-                path = c.labels.get("path", "put")
-                out[field][path] = out[field].get(path, 0) + int(c.value)
-        return out
+        return self._report.admission_stats()
 
     def warnings(self, rates: Mapping[str, WriteRate] | None = None) -> list[str]:
         """What the operator should act on soon, a line each: a tier on course to write more
         per day than its write budget (``rates``: ``write_rates()`` already read)."""
-        out = []
-        for name, r in (self.write_rates() if rates is None else rates).items():
-            if r.over_budget and r.budget_bytes_per_day:
-                span = r.window_s
-                seen = f"{span / 3600:.1f} h" if span >= 3600 else f"{span / 60:.0f} min" if span >= 60 else \
-                    f"{span:.0f} s"
-                fixes = ([] if self.config.admit == "second-hit" else ["set admit=second-hit"]) + (
-                    [] if "dram" in self._tiers else ["give it a dram tier in front"]) + [
-                    f"raise tiers.{name}.write_budget"]
-                out.append(f"tier {name} is on course to write {human_size(r.per_day_bytes)}/day (projected from "
-                           f"the last {seen}{', counted as an hour' if span < 3600 else ''}), over its write budget "
-                           f"of {human_size(r.budget_bytes_per_day)}/day ({r.budget}): "
-                           f"{', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}")
-        return out
+        return self._report.warnings(rates)
 
     def notes(self) -> list[str]:
         """What an operator should know about how the store is set up, a line each: a tier
         called dram whose folder is not in memory (on the store's disk, say)."""
-        out = []
-        st = self._tiers.get("dram")
-        kind = filesystem_type(st.io.dir) if st is not None else None
-        if st is not None and kind is not None and kind not in MEMORY_FILESYSTEMS:
-            out.append(f"tier dram's folder {st.io.dir} is on {kind}, not tmpfs: its chunks are on disk, not in "
-                       "memory; give the dram tier a folder under /dev/shm (while it is empty: "
-                       "tiers.dram=none, then tiers.dram.path=/dev/shm/... and tiers.dram.capacity)")
-        return out
+        return self._report.notes()
 
     def release_memory(self, above: int = 0) -> bool:
         """Drop the index's mapped pages from this process's resident memory when more than

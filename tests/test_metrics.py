@@ -104,7 +104,7 @@ def test_a_quiet_process_flushes_its_counts_by_itself(tmp_path: Path) -> None:
 
 
 def test_gauges_are_the_latest_value_of_each_process_and_age_out(tmp_path: Path) -> None:
-    from store import metrics as metrics_mod
+    from store.index import metrics as metrics_mod
 
     with Store(tmp_path / "s", StoreConfig(tiers={"nvme": TierConfig(capacity=64 * MiB)})) as s:
         s.set_gauge("engine_save_queue", 3, pid="1")

@@ -115,9 +115,11 @@ def test_the_remote_tier_never_calls_back_into_the_write_path() -> None:
 def _part_classes() -> list[type]:
     from store.index import Index
     from store.index.events import EventLog
+    from store.observe.report import Report
     from store.ops.check import Checker
     from store.ops.compaction import Compactor
     from store.ops.eviction import Evictor
+    from store.ops.meta import StoreMeta
     from store.ops.namespaces import Namespaces
     from store.ops.pins import Pins
     from store.ops.reads import Reads
@@ -126,7 +128,8 @@ def _part_classes() -> list[type]:
     from store.tiers.sharing import Sharing
     from store.tiers.space import Space
 
-    return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Checker, Reads, Writes, Sharing]
+    return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Checker, StoreMeta, Report, Reads,
+            Writes, Sharing]
 
 
 @pytest.fixture
@@ -304,7 +307,7 @@ def test_every_key_the_parts_use_is_declared_in_the_schema() -> None:
     found = {name: hits for name, src in store_sources() if name != "index/schema.py" and (hits := literal_keys(src))}
     assert found == {}
     # and the prefixes metrics and events write under are the schema's
-    from store import events, metrics, schema
+    from store.index import events, metrics, schema
 
     assert (metrics.PREFIX, metrics.GAUGE_PREFIX) == (schema.METRIC_CELL, schema.METRIC_GAUGE)
     assert events._event_row(7) == schema.event_row(7) and events._key_row(b"k") == schema.event_key_row(b"k")

@@ -1,2 +1,3 @@
 """What the store tells others about itself beyond its chunks: what engines announced to
-routers (``announce``) and why a lookup misses (``explain``)."""
+routers (``announce``), why a lookup misses (``explain``), and its figures and advice for
+operators (``report``)."""

@@ -28,6 +28,7 @@ from ..types import ChunkInfo, LookupResult, Origin, PartialHit, PutItem, Rewrit
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+    from ..index.metrics import Meter
     from .remote import RemoteMeta, RemoteTier
 
 log = logging.getLogger("lmctl.store")
@@ -62,6 +63,23 @@ def writer_id(store_path: str) -> int:
     return int.from_bytes(h, "little") or 1
 
 
+#: RemoteStats fields -> (metric cell, labels) that ``Sharing.meter`` adds up
+REMOTE_CELLS: dict[str, tuple[str, dict[str, str]]] = {
+    "calls": ("remote_calls_total", {}), "timeouts": ("remote_errors_total", {"kind": "timeout"}),
+    "oom": ("remote_errors_total", {"kind": "oom"}), "short_circuited": ("remote_short_circuited_total", {}),
+    "puts": ("remote_puts_total", {"result": "stored"}),
+    "put_failures": ("remote_puts_total", {"result": "failed"}),
+    "hits": ("remote_reads_total", {"result": "hit"}), "misses": ("remote_reads_total", {"result": "miss"}),
+    "lookups": ("remote_lookups_total", {}), "torn": ("remote_bad_values_total", {"kind": "torn"}),
+    "foreign": ("remote_bad_values_total", {"kind": "foreign"}),
+    "forged": ("remote_bad_values_total", {"kind": "forged"}),
+    "evicted_discovered": ("remote_bad_values_total", {"kind": "evicted"}),
+    "too_small": ("remote_bad_values_total", {"kind": "too_small"}),
+    "bytes_out": ("remote_bytes_total", {"direction": "out"}),
+    "bytes_in": ("remote_bytes_total", {"direction": "in"}),
+}
+
+
 class Sharing:
     """The remote tier of one store."""
 
@@ -74,6 +92,7 @@ class Sharing:
         self._codec = codec
         self._lock = threading.Lock()
         self.promoted = 0
+        self._metered: dict[str, Any] = {}  # the tier's counters at the last ``meter``
         #: record key -> the aliases a remote lookup confirmed for it, until it is promoted
         self._learned: OrderedDict[bytes, list[tuple[bytes, int]]] = OrderedDict()
         self.tier: RemoteTier = RemoteTier(cfg.url, key_prefix=cfg.key_prefix, secret_file=cfg.secret_file,
@@ -326,6 +345,16 @@ class Sharing:
         return {"url": self.url, "key_prefix": self.cfg.key_prefix, "write": self.cfg.write, "trust": trust,
                 "rotating": self.cfg.previous_secret_file is not None, "writer": f"{self.tier.writer:08x}",
                 "promoted": self.promoted, **self.tier.stats().to_dict()}
+
+    def meter(self, meter: Meter) -> None:
+        """Add what the remote tier's counters did since the last call to the metrics."""
+        now = self.tier.stats().to_dict()
+        before, self._metered = self._metered, now
+        for field, (cell, labels) in REMOTE_CELLS.items():
+            meter.inc(cell, now[field] - before.get(field, 0), **labels)
+        other = (now["errors"] - now["timeouts"] - now["oom"]) - (
+            before.get("errors", 0) - before.get("timeouts", 0) - before.get("oom", 0))
+        meter.inc("remote_errors_total", other, kind="other")
 
     def close(self) -> None:
         self.tier.close()
