@@ -49,6 +49,8 @@ class Metric:
         return self.prom_name + ("_total" if self.kind == "counter" else "")
 
 
+#: store/config.py's TIER_LADDER (vLLM's API server loads these definitions without the store: a
+#: test keeps the two equal)
 TIERS = ("dram", "nvme", "remote")
 
 METRICS: tuple[Metric, ...] = (

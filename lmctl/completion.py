@@ -23,7 +23,10 @@ COMPLETE_VAR = "_LMCTL_COMPLETE"
 BASH_COMPLETION = ("/usr/share/bash-completion/bash_completion", "/etc/bash_completion")
 
 
-TIERS = ("dram", "nvme", "remote")
+#: the local tiers and every tier (store/config.py's TIER_ORDER and TIER_LADDER: the CLI starts without
+#: the store, so a test keeps these equal)
+LOCAL_TIERS = ("dram", "nvme")
+TIERS = (*LOCAL_TIERS, "remote")
 #: the store settings ``config set`` takes (``lmctl/settings.py`` reads them; a test keeps the two equal)
 STORE_SETTINGS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsync", "low_watermark",
                   "access_flush_s", "compact_dead_ratio", "retire_after_s", "compress_cold_after_s", "event_log_max",
@@ -31,7 +34,7 @@ STORE_SETTINGS = ("codec", "codec_level", "default_tier", "segment_bytes", "fsyn
 TIER_SETTINGS = ("capacity", "path", "pin_budget", "write_budget")
 REMOTE_SETTINGS = ("url", "key_prefix", "write", "promote", "piece_bytes", "lookup_timeout_s", "io_timeout_s",
                    "password_file", "secret_file", "previous_secret_file", "encrypt", "trust")
-SETTING_KEYS = (*STORE_SETTINGS, *(f"tiers.{t}.{k}" for t in ("dram", "nvme") for k in TIER_SETTINGS
+SETTING_KEYS = (*STORE_SETTINGS, *(f"tiers.{t}.{k}" for t in LOCAL_TIERS for k in TIER_SETTINGS
                                    if (t, k) != ("dram", "write_budget")),
                 *(f"remote.{k}" for k in REMOTE_SETTINGS))
 
@@ -55,7 +58,7 @@ def flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 VALUES: dict[str, tuple[str, ...]] = {
     "--sort": ("key", "age", "access", "size"),
     "--kind": ("evict", "corrupt", "save-dropped", "pin", "unpin", "remote-copy", "announce"),
-    "--to": TIERS, "warm --to": ("dram", "nvme"), "--tier": ("dram", "nvme"),
+    "--to": TIERS, "warm --to": LOCAL_TIERS, "--tier": LOCAL_TIERS,
     "--codec": ("zstd-shuffle", "zstd", "raw"),
     "--log-level": ("debug", "info", "warning", "error"),
     "--output": ("wide", "tsv", "name"),

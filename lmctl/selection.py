@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from store import AdapterIdentity, ChunkInfo, Counts, Namespace, Store, StoreError, adapter_digest
+from store.config import TIER_LADDER
 
 from .errors import Denied, UsageError
 from .short_keys import resolve_key
@@ -290,7 +291,7 @@ def labelled_keys(store: Store, label: str) -> list[bytes]:
 
 def configured_tier(store: Store, tier: str, what: str) -> str:
     """``tier`` (the value of option ``what``) when this store has it configured."""
-    if tier not in ("dram", "nvme", "remote"):
+    if tier not in TIER_LADDER:
         raise UsageError(f"{what} must be dram, nvme or remote, not {tier!r}")
     configured = list(store.config.tiers) + (["remote"] if store.config.remote is not None else [])
     if tier not in configured:

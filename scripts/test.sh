@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "lint: ruff + mypy" >&2
 .venv/bin/ruff check --quiet .
-.venv/bin/mypy --no-error-summary store lmctl engine_hook testsupport
+.venv/bin/mypy --no-error-summary store lmctl engine_hook testsupport tests
 if [ "${1:-}" = "--fast" ]; then
     shift
     exec .venv/bin/python -m pytest -q --fast "$@"

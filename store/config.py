@@ -15,7 +15,9 @@ MiB = 1 << 20
 #: The local tiers a store can have, fastest first (the order they are opened and listed in). A
 #: chunk is stored in exactly one tier and read from it. ``remote`` comes with the Redis tier.
 TIER_ORDER = ("dram", "nvme")
-TIER_IDS = {"dram": 0, "nvme": 1, "remote": 2}
+#: every tier a chunk can be in, top to bottom: the local tiers, then the shared remote tier
+TIER_LADDER = (*TIER_ORDER, "remote")
+TIER_IDS = {name: i for i, name in enumerate(TIER_LADDER)}
 TIER_NAMES = {v: k for k, v in TIER_IDS.items()}
 
 

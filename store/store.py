@@ -65,6 +65,7 @@ from .ops.reads import Reads, expects
 from .ops.recovery import Recovery
 from .ops.writes import Writes, record_meta
 from .tiers.admission import Admission, WriteRate
+from .tiers.ladder import Ladder
 from .tiers.sharing import Sharing, writer_id
 from .tiers.space import Space, TierState
 from .types import (
@@ -230,8 +231,9 @@ class Store:
         self._reads = Reads(self._index, self._tiers, cfg, codec, self._recovery.forget_segment,
                             threading.RLock(), before_flush=(self._meter_remote,), clock=self.clock)
         self._admission = Admission(self._index, cfg, self.clock)
+        self._ladder = Ladder(self._tiers, lambda: self._sharing)
         self._writes = Writes(self._index, self._space, self._evictor, self._reads, cfg, codec, self._lock,
-                              self._admission, remote=lambda: self._sharing, clock=self.clock)
+                              self._admission, self._ladder, clock=self.clock)
         self._report = Report(self._index, self._tiers, self._reads, self._admission, cfg, lambda: self._sharing,
                               lambda: self._remote_refused, self.clock)
         self._share(self.config)
@@ -344,15 +346,24 @@ class Store:
         added in memory (nothing is written, so this never waits for the disk)."""
         return self._reads.metric_cells()
 
+    def _promotes(self, info: ChunkInfo | None) -> bool:
+        """Whether a hit on ``info`` moves the chunk up the ladder: it is below the top local
+        tier, and the top tier is where saves go (the default tier)."""
+        top = self._ladder.top()
+        return info is not None and info.tier != top and self.config.default_tier == top
+
     def _promote(self, key: bytes) -> None:
-        """Move a chunk that was just read from nvme into dram (the default tier), in the
-        background; at most ``PROMOTE_QUEUE`` waiting, more are skipped (a later hit retries)."""
+        """Move a chunk that was just read from a lower local tier to the top one (dram, the
+        default tier), in the background; at most ``PROMOTE_QUEUE`` waiting, more are skipped
+        (a later hit retries)."""
+        top = self._ladder.top()
+
         def move() -> None:
             try:
-                self.flush()  # its access time first, so that it arrives in dram as recently used
-                self._writes.rewrite([key], tier="dram")
+                self.flush()  # its access time first, so that it arrives on top as recently used
+                self._writes.rewrite([key], tier=top)
             except StoreError as exc:
-                log.debug("could not promote chunk %s to dram: %s", key[16:24].hex(), exc)
+                log.debug("could not promote chunk %s to %s: %s", key[16:24].hex(), top, exc)
             finally:
                 with self._promote_lock:
                     self._promoting.discard(key)
@@ -392,8 +403,8 @@ class Store:
                     continue
                 victims, moves = self._evictor.plan(name, config.tiers[name].capacity, config.low_watermark,
                                                     self._writes.spill_moves(name))
-                below = [n for n in TIER_ORDER if n in self._tiers and TIER_ORDER.index(n) > TIER_ORDER.index(name)]
-                out[name] = (victims, below[0] if moves and below else None)
+                below = self._ladder.local_below(name)
+                out[name] = (victims, below if moves else None)
         return out
 
     def configure(self, config: StoreConfig) -> None:
@@ -745,7 +756,7 @@ class Store:
             raise StoreError(f"get_into: the buffer of {len(view)} bytes cannot take the {expect} expected")
         t0 = self.clock.monotonic()
         info = self._reads.get_into(key, view, touch, expect)
-        if info is not None and touch and info.tier != "dram" and self.config.default_tier == "dram":
+        if touch and info is not None and self._promotes(info):
             self._promote(key)
         sharing = self._sharing
         if info is None and sharing is not None and touch:
@@ -783,7 +794,7 @@ class Store:
         sharing = self._sharing
         m = self._reads.meter
         for i, info in enumerate(infos):
-            if info is not None and info.tier != "dram" and self.config.default_tier == "dram":
+            if info is not None and self._promotes(info):
                 self._promote(keys[i])
             if info is None and sharing is not None:
                 got = sharing.fetch_into(keys[i], views[i], expect=wants[i], limit=len(views[i]))

@@ -372,7 +372,8 @@ def scenario_frames(work: Path, n: int) -> Tally:
                 answered += 1
             else:
                 hung_up += 1
-        t.check(d.call("status")["daemon"]["pid"] == d.proc.pid, "the daemon did not survive the frames")
+        t.check(d.proc is not None and d.call("status")["daemon"]["pid"] == d.proc.pid,
+                "the daemon did not survive the frames")
         held = []
         for _ in range(MAX_CLIENTS * 2):  # a connection flood: the cap holds, threads stay bounded
             c = socket.socket(socket.AF_UNIX)

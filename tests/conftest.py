@@ -13,6 +13,9 @@ from store import GiB, KVFormat, MiB, Namespace, Store, StoreConfig, TierConfig
 from testsupport.lmctl import env_with_path as env_with_path  # the tests import it from here
 
 if TYPE_CHECKING:
+    from redis_server import Server
+
+    from store.clock import Clock
     from testsupport.lmctl import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,12 +92,12 @@ def ns() -> Namespace:
 def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
     opened: list[Store] = []
 
-    def make(path: Path | None = None, capacity: int = 1 * GiB, segment_bytes: int = 4 * MiB,
-             **kw: object) -> Store:
-        clock = kw.pop("clock", None)  # a store.clock.ManualClock: the test moves time instead of sleeping
-        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity, pin_budget=kw.pop("pin_budget", 0.5))},
+    def make(path: Path | None = None, capacity: int = 1 * GiB, segment_bytes: int = 4 * MiB, *,
+             pin_budget: float = 0.5, clock: Clock | None = None, **kw: object) -> Store:
+        # clock: a store.clock.ManualClock, where the test moves time instead of sleeping
+        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=capacity, pin_budget=pin_budget)},
                           segment_bytes=segment_bytes, **kw)  # type: ignore[arg-type]
-        s = Store(path or tmp_path / "store", cfg, clock=clock)  # type: ignore[arg-type]
+        s = Store(path or tmp_path / "store", cfg, clock=clock)
         opened.append(s)
         return s
 
@@ -212,32 +215,39 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         s.stop()
 
 
+class Hosts:
+    """The ``hosts`` fixture: stores on "machines" (folders under ``root``) of one deployment,
+    on one Redis server, ``redis``; ``secret`` is the deployment's secret's file."""
+
+    def __init__(self, root: Path, redis: Server, secret: str) -> None:
+        self.root = root
+        self.redis = redis
+        self.secret = secret
+        self.opened: list[Store] = []
+
+    def __call__(self, name: str, write: str = "always", url: str | None = None, prefix: str = "test",
+                 **remote: Any) -> Store:
+        from store.config import RemoteConfig
+
+        remote.setdefault("secret_file", self.secret)
+        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
+                          remote=RemoteConfig(url or self.redis.url, key_prefix=prefix, write=write, **remote))
+        s = Store(self.root / name, cfg)
+        self.opened.append(s)
+        return s
+
+
 @pytest.fixture
-def hosts(tmp_path: Path, servers: Callable[..., Any]) -> Iterator[Callable[..., Store]]:
+def hosts(tmp_path: Path, servers: Callable[..., Any]) -> Iterator[Hosts]:
     """Stores on "machines" (folders) of one deployment, on one Redis server: ``hosts(name,
     write="always", url=None, prefix="test", **remote)`` (``remote``: more of the store's
     ``RemoteConfig``; the deployment's secret unless told otherwise). ``hosts.redis`` is the
     server, ``hosts.secret`` the secret's file."""
     from redis_server import secret_file
 
-    from store.config import RemoteConfig
-
-    redis = servers()
-    opened: list[Store] = []
-    secret = str(secret_file(tmp_path))
-
-    def host(name: str, write: str = "always", url: str | None = None, prefix: str = "test", **remote: Any) -> Store:
-        remote.setdefault("secret_file", secret)
-        cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=256 * MiB)},
-                          remote=RemoteConfig(url or redis.url, key_prefix=prefix, write=write, **remote))
-        s = Store(tmp_path / name, cfg)
-        opened.append(s)
-        return s
-
-    host.redis = redis  # type: ignore[attr-defined]
-    host.secret = secret  # type: ignore[attr-defined]
+    host = Hosts(tmp_path, servers(), str(secret_file(tmp_path)))
     yield host
-    for s in opened:
+    for s in host.opened:
         s.close()
 
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
+from conftest import Hosts
+from redis_server import as_bytes
 from test_blocks import ADAPTER, BASE, FMT, PER_TOKEN, prompt, read_found, save_request
 
 from store import AdapterIdentity, Namespace, Store, boundary_keys, chain_hash
 from store.tiers.remote import RemoteTier
-
-Hosts = Callable[..., Store]
 
 
 def tier_of(s: Store) -> RemoteTier:
@@ -65,8 +64,8 @@ def test_a_second_instance_finds_a_short_prefix_through_redis_bit_exact(hosts: H
     a = hosts("a", encrypt=encrypt)
     saved = save_request(a, ADAPTER, prompt(250, 6, seed=1), block)
     saved |= save_request(a, ADAPTER, other_prompt(400, 20, seed=3), block)
-    r = hosts.redis.client()  # type: ignore[attr-defined]
-    values = [r.get(n) or b"" for n in r.keys("test:*") if n.endswith(b":a")]
+    r = hosts.redis.client()
+    values = [as_bytes(r.get(n) or b"") for n in map(as_bytes, r.keys("test:*")) if n.endswith(b":a")]
     assert len(values) == (2 * 15 + 9 if block == 16 else 2)  # two chunks' boundaries and the tail's
     for v in values:  # no record key, no token count in clear: a name and value link to nothing
         assert not any(k in v or k[16:] in v for k in saved)
@@ -119,7 +118,7 @@ def test_rewritten_or_swapped_alias_values_are_forged_misses(hosts: Hosts) -> No
     first = prompt(250, 6, seed=1)
     save_request(a, ADAPTER, first, 16)
     save_request(a, BASE, first, 16)
-    r: redis.Redis = hosts.redis.client()  # type: ignore[attr-defined]
+    r: redis.Redis = hosts.redis.client()
     q2 = prompt(250, 23, seed=2)
     at = {n: alias_name(a, ADAPTER, first, 0, n, 16) for n in (224, 240)}
     # flip a bit of the longest alias: the lookup falls back to the next boundary, counted
@@ -160,7 +159,7 @@ def test_a_secret_holders_alias_that_does_not_fit_is_a_forged_miss_never_served(
     cands = dict(boundary_keys(ADAPTER, chain_hash(ADAPTER, keys, 0), first[:256], 16))
     own = keys[0]
     other_ns = BASE.chunk_keys(first)[0]
-    r: redis.Redis = hosts.redis.client()  # type: ignore[attr-defined]
+    r: redis.Redis = hosts.redis.client()
     for n in range(16, 256, 16):  # only the alias at 240 is left, so each bad value is the lookup's answer
         if n != 240:
             r.delete(tier_of(a).alias_name(cands[n]))
@@ -189,7 +188,7 @@ def test_without_a_secret_all_writers_share_aliases_and_a_damaged_one_is_torn(ho
     q2 = prompt(250, 23, seed=2)
     end, _, _ = load(b, ADAPTER, q2, 16)
     assert end == 240
-    r: redis.Redis = hosts.redis.client()  # type: ignore[attr-defined]
+    r: redis.Redis = hosts.redis.client()
     name = alias_name(a, ADAPTER, first, 0, 240, 16)
     good = r.get(name)
     assert isinstance(good, bytes)
@@ -208,7 +207,7 @@ def test_a_frozen_server_costs_a_miss_within_the_lookup_deadline(hosts: Hosts) -
     first = prompt(250, 6, seed=1)
     save_request(a, ADAPTER, first, 16)
     q2 = prompt(250, 23, seed=2)
-    srv: Any = hosts.redis  # type: ignore[attr-defined]
+    srv: Any = hosts.redis
     srv.signal(signal.SIGSTOP)
     try:
         for _ in range(4):

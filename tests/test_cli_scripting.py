@@ -83,8 +83,8 @@ def test_quiet_keeps_data_errors_and_exit_codes_and_drops_the_rest(daemon: Daemo
     # --json wins: JSON is data
     assert json.loads(cli(daemon, "-q", "--json", "pin", "--label", "q", "--tokens", doc).stdout)["chunks"] == 4
     # in process too, and in the shell's lines
-    r = lmctl(daemon, "-q", "unpin", "--label", "q")
-    assert r.exit_code == 0 and r.stdout == ""
+    res = lmctl(daemon, "-q", "unpin", "--label", "q")
+    assert res.exit_code == 0 and res.stdout == ""
     r = cli(daemon, "shell", stdin="-q pin --label q2 --tokens " + doc + "\npin --label q3 --tokens " + doc + "\n")
     assert r.returncode == 0 and "q2" not in r.stdout and "'q3'" in r.stdout, r.stdout
     assert set(cj(daemon, "inspect")["labels"]) == {"q2", "q3"}
@@ -376,11 +376,11 @@ def test_a_read_only_uid_reads_and_is_denied_every_change(tmp_path: Path) -> Non
                                          f"{what} changes it; --dry-run shows what it would do, or ask the store's "
                                          f"owner (uid 0)\n"), out
             # through the protocol too, whatever the client: every op that changes something
-            for cmd, args in [("pin", {"label": "x", "keys": [NS.chunk_keys(TOKENS)[0].hex()]}),
-                              ("warm", {"label": "ro"}), ("warm", {"label": "ro", "dry_run": True}),
-                              ("config", {"set": {"codec": "zstd"}}), ("evict", {"label": "ro", "dry_run": 1})]:
-                r = as_user(user, call, sock, cmd, args)
-                assert r.get("error") == "denied", (cmd, args, r)
+            for cmd, request in [("pin", {"label": "x", "keys": [NS.chunk_keys(TOKENS)[0].hex()]}),
+                                 ("warm", {"label": "ro"}), ("warm", {"label": "ro", "dry_run": True}),
+                                 ("config", {"set": {"codec": "zstd"}}), ("evict", {"label": "ro", "dry_run": 1})]:
+                r = as_user(user, call, sock, cmd, request)
+                assert r.get("error") == "denied", (cmd, request, r)
             assert as_user(user, call, sock, "frobnicate", {}).get("error") == "usage"
             # nothing changed; the owner still changes anything
             assert cj(d, "ls", "--limit", "0") == before
@@ -412,11 +412,11 @@ def test_serve_tells_notify_socket_ready_once_it_serves_and_stopping_on_sigterm(
     env["NOTIFY_SOCKET"] = "@" + name if abstract else str(tmp_path / "notify")
     d = Daemon(tmp_path / "store", env=env)
     try:
-        d.start(wait=False)
+        proc = d.start(wait=False)
         ready = listener.recv(4096).decode()
         # READY=1 comes once the socket answers and the store is open: a request succeeds at once
         lines = ready.split("\n")
-        assert lines[0] == "READY=1" and lines[1] == f"MAINPID={d.proc.pid}" and lines[2].startswith("STATUS=serving")
+        assert lines[0] == "READY=1" and lines[1] == f"MAINPID={proc.pid}" and lines[2].startswith("STATUS=serving")
         assert cj(d, "status")["store"]["tiers"]["nvme"]["chunks"] == 6
         assert d.stop() == 0
         assert listener.recv(4096) == b"STOPPING=1"
@@ -431,9 +431,9 @@ def test_serve_without_a_listening_notify_socket_still_serves(tmp_path: Path) ->
     env = env_with_path()
     env["NOTIFY_SOCKET"] = str(tmp_path / "nobody-listens")
     d = Daemon(tmp_path / "store", env=env)
-    d.start()
+    proc = d.start()
     try:
-        assert cj(d, "status")["daemon"]["pid"] == d.proc.pid
+        assert cj(d, "status")["daemon"]["pid"] == proc.pid
     finally:
         assert d.stop() == 0
     assert d.proc is None

@@ -75,7 +75,8 @@ def test_explain_names_another_version_of_the_adapter_before_another_adapter(tmp
         asked = Namespace("m", fmt, v2)
         s.register_namespace(asked)
         ex = s.explain(asked, toks)
-        assert ex is not None and ex.reason == "other-adapter-version", ex.message
+        assert ex is not None
+        assert ex.reason == "other-adapter-version", ex.message
         assert str(v1) in ex.message and "weights changed" in ex.message
 
 

@@ -47,7 +47,8 @@ def cli(d: Daemon | None, *args: str, stdin: str | None = None,
         sock: str | None = None) -> subprocess.CompletedProcess[str]:
     """``lmctl [--socket SOCK] ARGS`` run in this process (testsupport's ``run``: the program's
     entry point, its streams captured); ``cli_process`` where the process itself is tested."""
-    pre = ["--socket", sock or str(d.sock)] if (d is not None or sock) else []
+    target = sock or (str(d.sock) if d is not None else None)
+    pre = ["--socket", target] if target else []
     return run(*pre, *args, stdin=stdin)
 
 
@@ -55,7 +56,8 @@ def cli_process(d: Daemon | None, *args: str, stdin: str | None = None,
                 sock: str | None = None) -> subprocess.CompletedProcess[str]:
     """``lmctl [--socket SOCK] ARGS`` as a process of its own: exit statuses through a real
     process, start-up, signals, peer checks."""
-    pre = ["--socket", sock or str(d.sock)] if (d is not None or sock) else []
+    target = sock or (str(d.sock) if d is not None else None)
+    pre = ["--socket", target] if target else []
     return run_process(*pre, *args, stdin=stdin)
 
 
@@ -78,6 +80,7 @@ def library(d: Daemon) -> Store:
 # -- commands --------------------------------------------------------------------------------
 def test_status_lookup_inspect_ls(daemon: Daemon, tmp_path: Path) -> None:
     st = cj(daemon, "status")
+    assert daemon.proc is not None
     assert st["daemon"]["pid"] == daemon.proc.pid and st["store"]["tiers"]["nvme"]["chunks"] == 6
     doc = tokens_file(tmp_path, TOKENS + [1, 2, 3])
     r = cj(daemon, "lookup", "--tokens", doc)
@@ -238,24 +241,31 @@ def _raw(d: Daemon) -> socket.socket:
     return s
 
 
+def _reply(s: socket.socket) -> dict[str, Any]:
+    """The daemon's next message on ``s``; it must not have hung up."""
+    r = protocol.read_frame(s)
+    assert r is not None, "the daemon closed the connection"
+    return r
+
+
 def test_bad_requests_get_error_replies_and_the_daemon_serves_on(daemon: Daemon) -> None:
     steady = _raw(daemon)  # a well-behaved client connected the whole time
     protocol.send(steady, {"id": 1, "cmd": "status", "args": {}})
-    assert protocol.read_frame(steady)["ok"] is True
+    assert _reply(steady)["ok"] is True
 
     s = _raw(daemon)  # unknown command, then wrong argument types: errors, connection kept
     protocol.send(s, {"id": 1, "cmd": "explode", "args": {}})
-    r = protocol.read_frame(s)
+    r = _reply(s)
     assert r["ok"] is False and r["error"]["code"] == "usage" and "unknown command" in r["error"]["message"]
     protocol.send(s, {"id": 2, "cmd": "pin", "args": {"label": 5, "keys": "nope"}})
-    r = protocol.read_frame(s)
+    r = _reply(s)
     assert r["id"] == 2 and r["error"]["code"] == "usage"
     protocol.send(s, {"id": 3, "cmd": "ls", "args": {"limit": "ten"}})
-    assert protocol.read_frame(s)["error"]["code"] == "usage"
+    assert _reply(s)["error"]["code"] == "usage"
     protocol.send(s, {"id": 4, "cmd": "lookup", "args": []})
-    assert protocol.read_frame(s)["error"]["code"] == "usage"
+    assert _reply(s)["error"]["code"] == "usage"
     protocol.send(s, {"id": 5, "cmd": "status", "args": {}})
-    assert protocol.read_frame(s)["ok"] is True
+    assert _reply(s)["ok"] is True
     s.close()
 
     for junk in (b"GET / HTTP/1.1\r\n\r\n", struct.pack(">2sBxI", b"LM", 1, 1 << 30),
@@ -263,7 +273,7 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(daemon: Daemon)
                  struct.pack(">2sBxI", b"LM", 1, 5) + b"[1,2]"):
         s = _raw(daemon)
         s.sendall(junk)
-        r = protocol.read_frame(s)
+        r = _reply(s)
         assert r["ok"] is False and r["error"]["code"] == "protocol"
         try:  # then it hangs up (a reset when unread junk was left behind)
             assert s.recv(1) == b""
@@ -272,10 +282,10 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(daemon: Daemon)
         s.close()
 
     protocol.send(steady, {"id": 2, "cmd": "status", "args": {}})
-    r = protocol.read_frame(steady)
+    r = _reply(steady)
     assert r["ok"] is True and r["result"]["daemon"]["errors"] >= 8
     steady.close()
-    assert daemon.proc.poll() is None
+    assert daemon.proc is not None and daemon.proc.poll() is None
 
 
 def test_a_client_that_stalls_mid_frame_is_dropped_at_the_deadline(tmp_path: Path) -> None:
@@ -349,6 +359,7 @@ def test_socket_is_private_and_other_uids_are_refused(tmp_path: Path) -> None:
                                text=True, timeout=30)
             assert "'denied'" in r.stdout and "uid 65534" in r.stdout, r.stdout + r.stderr
             assert "pid" not in r.stdout  # no status leaked
+            assert d.proc is not None
             assert cj(d, "status")["daemon"]["pid"] == d.proc.pid
         finally:
             assert d.stop() == 0
@@ -363,13 +374,15 @@ def test_stale_socket_is_replaced_and_a_live_one_never_stolen(daemon: Daemon) ->
     p = second.start(wait=False)
     assert p.wait(timeout=30) == 1
     assert "already serving" in (p.stderr.read() if p.stderr else "")
-    assert cj(daemon, "status")["daemon"]["pid"] == daemon.proc.pid
-    daemon.proc.kill()  # crash: the socket file stays behind
-    daemon.proc.wait()
+    first = daemon.proc
+    assert first is not None
+    assert cj(daemon, "status")["daemon"]["pid"] == first.pid
+    first.kill()  # crash: the socket file stays behind
+    first.wait()
     daemon.proc = None
     assert daemon.sock.exists()
-    daemon.start()
-    assert cj(daemon, "status")["daemon"]["pid"] == daemon.proc.pid
+    restarted = daemon.start()
+    assert cj(daemon, "status")["daemon"]["pid"] == restarted.pid
 
 
 def test_background_maintenance_trims_an_overfull_tier(tmp_path: Path) -> None:

@@ -94,8 +94,13 @@ def pin_the_document(d: Daemon, tmp_path: Path) -> None:
 
 
 def stored(folder: Path, keys: list[bytes]) -> int:
+    total = 0
     with Store(folder, readonly=True) as s:
-        return sum(s.info(k).stored_bytes for k in keys)  # type: ignore[union-attr]
+        for k in keys:
+            info = s.info(k)
+            assert info is not None, k.hex()
+            total += info.stored_bytes
+    return total
 
 
 # -- the whole round trip -------------------------------------------------------------------------

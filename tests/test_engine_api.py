@@ -3,6 +3,7 @@ engine-agnostic API, all on a real store."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -198,9 +199,14 @@ def test_client_refuses_kv_of_the_wrong_shape(tmp_path: Path) -> None:
 def test_adapter_cache_rehashes_only_on_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine_hook.identity as ident
 
-    calls = []
+    calls: list[str | os.PathLike[str]] = []
     real = ident.adapter_digest
-    monkeypatch.setattr(ident, "adapter_digest", lambda p: calls.append(p) or real(p))
+
+    def counted_digest(folder: str | os.PathLike[str]) -> str:
+        calls.append(folder)
+        return real(folder)
+
+    monkeypatch.setattr(ident, "adapter_digest", counted_digest)
     (tmp_path / "adapter_config.json").write_text("{}")
     cache = AdapterCache()
     first = cache.identity("x", tmp_path)

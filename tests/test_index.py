@@ -19,7 +19,7 @@ from conftest import SMALL_FMT, SMALL_LAYOUT, content
 
 import store.index as index_mod
 import store.ops.reads as reads_mod
-from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
+from store import Chunk, MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
 from store.clock import ManualClock
 from store.format.segment import SegmentIO
 
@@ -200,7 +200,12 @@ def test_fsync_off_never_syncs_and_keeps_what_it_stored(make_store: MakeStore, n
     reopen keeps every chunk."""
     synced: list[int] = []
     real = SegmentIO.sync
-    monkeypatch.setattr(SegmentIO, "sync", lambda self, fd: synced.append(fd) or real(self, fd))
+
+    def counted_sync(self: SegmentIO, fd: int) -> None:
+        synced.append(fd)
+        real(self, fd)
+
+    monkeypatch.setattr(SegmentIO, "sync", counted_sync)
     s = make_store(fsync=False)
     keys = ns.chunk_keys(list(range(16 * 8)))
     assert all(s.put_many([PutItem(k, content(k, 4096), SMALL_LAYOUT, 16) for k in keys]))
@@ -265,8 +270,9 @@ def test_a_rewrite_survives_compaction_moving_its_chunk(make_store: MakeStore, n
     real_get = reads.get
     moved = []
 
-    def get_then_compact(key: bytes, touch: bool = True) -> Any:
-        chunk = real_get(key, touch)
+    def get_then_compact(key: bytes, touch: bool = True, expect: int | None = None,
+                         limit: int | None = None) -> Chunk | None:
+        chunk = real_get(key, touch, expect, limit)
         before = s.info(key)
         s.compact(min_dead_ratio=0.0)  # the entry the rewrite read now points at a removed segment
         after = s.info(key)

@@ -25,7 +25,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 
-from engine_hook.announce import LOG_KEYS, Announcer, Cleared, Record, Removed, Stored
+from engine_hook.announce import LOG_KEYS, Announcer, BlockHash, Cleared, Record, Removed, Stored
 from engine_hook.vllm import to_vllm_event
 from store import KVFormat, Namespace, PutItem, Store, StoreConfig, TierConfig
 from store.config import GiB, MiB
@@ -54,7 +54,7 @@ def put(s: Store, keys: list[bytes]) -> None:
     s.put_many([PutItem(k, os.urandom(FMT.chunk_bytes), {"dtype": "float32"}, 256) for k in keys])
 
 
-def hashes(seed: int, n: int) -> list[int]:
+def hashes(seed: int, n: int) -> list[BlockHash]:
     rng = random.Random(seed)
     return [rng.getrandbits(64) for _ in range(n)]
 
@@ -78,9 +78,16 @@ def save_chain(a: Announcer, ns: Namespace, toks: list[int], seed: int, lora: st
     return keys
 
 
+def vllm_event(e: Stored | Removed | Cleared) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    """``to_vllm_event``'s event (typed as vLLM's base class): one of those a batch holds."""
+    v = to_vllm_event(e)
+    assert isinstance(v, (BlockStored, BlockRemoved, AllBlocksCleared)), v
+    return v
+
+
 def wire(events: list[Any]) -> list[Any]:
     """Events through vLLM's wire format: msgpack of a KVEventBatch, decoded by its class."""
-    batch = KVEventBatch(ts=time.time(), events=[to_vllm_event(e) for e in events])
+    batch = KVEventBatch(ts=time.time(), events=[vllm_event(e) for e in events])
     payload = msgspec.msgpack.Encoder().encode(batch)
     return list(msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events)
 
@@ -134,7 +141,8 @@ def test_a_dropped_save_is_announced_removed(store: Store) -> None:
     assert [type(e) for e in a.take()] == [Stored]  # announced when planned
     store.record_dropped_saves([(keys[0], "queue-full")])
     got = a.take()
-    assert [type(e) for e in got] == [Removed] and got[0].block_hashes == hashes(3, 2)
+    assert [type(e) for e in got] == [Removed]
+    assert isinstance(got[0], Removed) and got[0].block_hashes == hashes(3, 2)
 
 
 def test_what_was_announced_is_written_in_batches(store: Store) -> None:
@@ -162,8 +170,8 @@ def test_what_was_announced_is_written_in_batches(store: Store) -> None:
     many = [save_chain(a, NS, tokens(1000 + i), seed=1000 + i) for i in range(30)]
     a.take()
     a.flush()
-    ev = store.events(kinds=["announce"])[-1]
-    assert ev["chunks"] == 90 and len(store.event_keys(ev["seq"])) == LOG_KEYS
+    last = store.events(kinds=["announce"])[-1]
+    assert last["chunks"] == 90 and len(store.event_keys(last["seq"])) == LOG_KEYS
     assert len(store.announcement_of([k for c in many for k in c])) == 90
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conftest import fake_engine
 from redis_server import free_port
@@ -15,16 +16,19 @@ from test_daemon import TOKENS, Daemon, cj, cli, tokens_file
 
 from demo.router_index import Indexer
 
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
 BLOCK = 16  # the test store's chunk size, and the "engine's" block size here
 
 
-def publish(endpoint_port: int, events: list[object]) -> None:
+def publish(endpoint_port: int, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
     """Publish events as vLLM's ZMQ publisher does: (topic, 8-byte sequence, msgpack batch)."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.PUB)
     sock.bind(f"tcp://127.0.0.1:{endpoint_port}")
     try:

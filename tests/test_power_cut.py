@@ -53,9 +53,9 @@ def test_an_acknowledged_put_survives_once_the_window_passed(cut_after: tuple[Wr
     run_then_cut(w, fs)
     with Store(store) as s:
         for i in (1, 2):
-            c = s.get(key(i), touch=False)
-            assert c is not None, f"acknowledged put {i} was lost"
-            assert bytes(c.data) == content(key(i), SIZE)
+            got = s.get(key(i), touch=False)
+            assert got is not None, f"acknowledged put {i} was lost"
+            assert bytes(got.data) == content(key(i), SIZE)
         assert not s.check(deep=True)
 
 

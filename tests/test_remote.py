@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import redis
-from redis_server import Server, free_port, secret_file
+from redis_server import Server, as_bytes, free_port, secret_file
 
 from store.clock import ManualClock
 from store.errors import StoreError
@@ -255,7 +255,7 @@ def test_damaged_values_are_misses_and_counted(servers: Callable[..., Server], t
     before = counted()
     roundtrip(tier, 2, 3 * pb)
     p = pieces(2)[2]
-    v = bytearray(r.get(p) or b"")
+    v = bytearray(as_bytes(r.get(p) or b""))
     v[7] ^= 1
     r.set(p, bytes(v))
     assert get(tier, key(2)) is None and counted() == plus(forged=1)
@@ -284,7 +284,7 @@ def test_damaged_values_are_misses_and_counted(servers: Callable[..., Server], t
     # a damaged head (its MAC or checksum fails)
     before = counted()
     roundtrip(tier, 5, 100)
-    h = bytearray(r.get(tier.head_key(key(5))) or b"")
+    h = bytearray(as_bytes(r.get(tier.head_key(key(5))) or b""))
     h[40] ^= 0xFF
     r.set(tier.head_key(key(5)), bytes(h))
     assert get(tier, key(5)) is None and counted() == plus(forged=1)
@@ -306,7 +306,7 @@ def test_foreign_values_are_misses_and_counted(servers: Callable[..., Server],
     roundtrip(tier, 3, 5000)
     r.set(tier.head_key(key(4)), r.get(tier.head_key(key(3))) or b"")  # another chunk's head: its MAC fails
     assert get(tier, key(4)) is None
-    h = bytearray(r.get(tier.head_key(key(3))) or b"")
+    h = bytearray(as_bytes(r.get(tier.head_key(key(3))) or b""))
     h[4] = 9  # another format version
     r.set(tier.head_key(key(3)), bytes(h))
     assert get(tier, key(3)) is None
@@ -530,7 +530,7 @@ def test_key_prefixes_isolate_deployments(servers: Callable[..., Server], tiers:
     assert gb is not None and bytes(gb[1]) == b"B" * 7000
     assert a.delete([key(1)]) == 1
     assert b.contains_many([key(1)]) == [True] and a.contains_many([key(1)]) == [False]
-    assert all(k.startswith(b"site-b:{") for k in srv.client().keys())
+    assert all(as_bytes(k).startswith(b"site-b:{") for k in srv.client().keys())
     assert (a.stats().foreign, b.stats().foreign) == (0, 0)
 
 
@@ -613,7 +613,7 @@ def test_redis_cluster_keeps_each_chunk_on_one_node(cluster: list[Server], tiers
     where: dict[str, set[int]] = {}
     for node_no, srv in enumerate(cluster):
         for k in srv.client().keys("cl:*"):
-            tag = bytes(k).split(b"{", 1)[1].split(b"}", 1)[0].decode()
+            tag = as_bytes(k).split(b"{", 1)[1].split(b"}", 1)[0].decode()
             where.setdefault(tag, set()).add(node_no)
     assert len(where) == len(sizes)
     assert all(len(nodes) == 1 for nodes in where.values())  # every key of a chunk on one node
@@ -623,7 +623,7 @@ def test_redis_cluster_keeps_each_chunk_on_one_node(cluster: list[Server], tiers
     # a piece gone on its node: a counted miss, and the chunk is dropped (WATCH on that node)
     victim = max(sizes, key=lambda i: sizes[i])
     node = cluster[next(iter(where[tags[victim]]))].client()
-    piece = next(k for k in node.keys(f"cl:{{{tags[victim]}}}:*") if not k.endswith(b":h"))
+    piece = next(k for k in node.keys(f"cl:{{{tags[victim]}}}:*") if not as_bytes(k).endswith(b":h"))
     node.delete(piece)
     assert get(tier, key(victim)) is None and tier.stats().evicted_discovered == 1
     assert tier.contains_many([key(victim)]) == [False]

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import SMALL_FMT, SMALL_LAYOUT, content, env_with_path
-from redis_server import Server, secret_file
+from conftest import SMALL_FMT, SMALL_LAYOUT, Hosts, content, env_with_path
+from redis_server import Server, as_bytes, secret_file
 from test_cli import lmctl
 from test_daemon import Daemon, cj
 
@@ -57,12 +57,13 @@ def tier_of(s: Store) -> RemoteTier:
 
 
 def heads(r: redis.Redis) -> list[bytes]:
-    return sorted(n for n in r.keys(f"{PREFIX}:*") if n.endswith(b":h"))
+    return sorted(n for n in map(as_bytes, r.keys(f"{PREFIX}:*")) if n.endswith(b":h"))
 
 
 def pieces_of(r: redis.Redis, head: bytes) -> list[bytes]:
     tag = head[:-2]
-    return sorted((n for n in r.keys(tag + b":*") if not n.endswith(b":h")), key=lambda n: int(n.rsplit(b":", 1)[1]))
+    return sorted((n for n in map(as_bytes, r.keys(tag + b":*")) if not n.endswith(b":h")),
+                  key=lambda n: int(n.rsplit(b":", 1)[1]))
 
 
 def forge_plain(r: redis.Redis, head: str, key: bytes, payload: bytes, piece_bytes: int = 4 << 20) -> None:
@@ -105,9 +106,9 @@ def commands_of(r: redis.Redis, fn: Callable[[], object]) -> list[str]:
 
 # -- (a) a forged value with valid checksums ------------------------------------------------------
 def test_a_forged_value_with_valid_checksums_is_a_miss_counted_forged_dropped_and_never_served(
-        hosts: Callable[..., Store]) -> None:
+        hosts: Hosts) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k, ok = NS.chunk_keys(TOKENS)[:2]
     evil = bytes(N)  # the attacker's KV: all zeros
     # 1. the pieces rewritten under a head the writer made (its MAC is good, the payload's fails)
@@ -137,9 +138,9 @@ def test_a_forged_value_with_valid_checksums_is_a_miss_counted_forged_dropped_an
 
 
 # -- (b) a value swapped in from another chunk ------------------------------------------------------
-def test_a_value_swapped_from_another_chunk_is_forged(hosts: Callable[..., Store]) -> None:
+def test_a_value_swapped_from_another_chunk_is_forged(hosts: Hosts) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k1, k2 = NS.chunk_keys(TOKENS)[:2]
     assert a.put(k1, content(k1, N), SMALL_LAYOUT, 16) and a.put(k2, content(k2, N), SMALL_LAYOUT, 16)
     h1, h2 = heads(r)
@@ -163,9 +164,9 @@ def test_a_value_swapped_from_another_chunk_is_forged(hosts: Callable[..., Store
 
 
 # -- (c) a value planted where anyone can compute a name ------------------------------------------
-def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hosts: Callable[..., Store]) -> None:
+def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hosts: Hosts) -> None:
     b = hosts("b")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     keys = NS.chunk_keys(TOKENS)  # the chunks of a public model's unsalted system prompt
     planted = []
     for k in keys:
@@ -173,7 +174,7 @@ def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hos
                      f"{PREFIX}:{{{Keys.derive(None).tag(k)}}}:h"):  # those of a tier without a secret
             forge_plain(r, head, k, bytes(N))
             planted.append(head[:-2])
-    seen = commands_of(hosts.redis.client(), lambda: (  # type: ignore[attr-defined]
+    seen = commands_of(hosts.redis.client(), lambda: (
         b.lookup(NS, TOKENS), [b.get(k) for k in keys], b.get_into(keys[0], bytearray(N))))
     assert seen and not [c for c in seen if any(p in c for p in planted)]  # never even asked for
     assert b.lookup(NS, TOKENS).hit_tokens == 0
@@ -182,13 +183,13 @@ def test_a_value_planted_at_a_name_computed_without_the_secret_is_never_read(hos
 
 
 # -- (d) names and heads reveal nothing -------------------------------------------------------------
-def test_names_reveal_neither_documents_nor_salts_and_heads_no_metadata(hosts: Callable[..., Store]) -> None:
+def test_names_reveal_neither_documents_nor_salts_and_heads_no_metadata(hosts: Hosts) -> None:
     a = hosts("a")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     salted = Namespace("public-model", SMALL_FMT, cache_salt="tenant-7")
     keys = salted.chunk_keys(TOKENS)
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys]))
-    names = [n.decode() for n in r.keys("*")]
+    names = [as_bytes(n).decode() for n in r.keys("*")]
     assert len(names) == 2 * len(keys)
     tags = {re.fullmatch(rf"{PREFIX}:\{{([0-9a-f]{{32}})\}}:(?:h|\d+)", n).group(1) for n in names}  # type: ignore[union-attr]
     assert len(tags) == len(keys)
@@ -209,9 +210,9 @@ def test_names_reveal_neither_documents_nor_salts_and_heads_no_metadata(hosts: C
 
 
 # -- (e) rotation -------------------------------------------------------------------------------
-def test_rotation_reads_both_secrets_writes_the_new_one_and_forgets_the_old(hosts: Callable[..., Store],
+def test_rotation_reads_both_secrets_writes_the_new_one_and_forgets_the_old(hosts: Hosts,
                                                                           tmp_path: Path) -> None:
-    old, new = hosts.secret, str(secret_file(tmp_path, "new.secret"))  # type: ignore[attr-defined]
+    old, new = hosts.secret, str(secret_file(tmp_path, "new.secret"))
     a = hosts("a", secret_file=old)
     b = hosts("b", secret_file=old, promote=False)
     k1, k2, k3 = NS.chunk_keys(TOKENS)[:3]
@@ -242,9 +243,9 @@ def test_rotation_reads_both_secrets_writes_the_new_one_and_forgets_the_old(host
 
 # -- (f) encryption -------------------------------------------------------------------------------
 def test_encrypted_values_hold_no_plaintext_and_pieces_cannot_be_swapped_or_reordered(
-        hosts: Callable[..., Store], servers: Callable[..., Server]) -> None:
+        hosts: Hosts, servers: Callable[..., Server]) -> None:
     a, b = hosts("a", encrypt=True), hosts("b", encrypt=True)
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k = NS.chunk_keys(TOKENS)[0]
     known = content(k, N)
     assert a.put(k, known, SMALL_LAYOUT, 16)
@@ -256,7 +257,7 @@ def test_encrypted_values_hold_no_plaintext_and_pieces_cannot_be_swapped_or_reor
     # pieces of one value reordered, or one taken from another value: forged
     pb = 4096
     tier = tier_of(a)
-    t = RemoteTier(hosts.redis.url, key_prefix="enc", secret_file=hosts.secret, encrypt=True,  # type: ignore[attr-defined]
+    t = RemoteTier(hosts.redis.url, key_prefix="enc", secret_file=hosts.secret, encrypt=True,
                    piece_bytes=pb)
     try:
         def put(i: int) -> bytes:
@@ -293,8 +294,8 @@ def one_line(exc: pytest.ExceptionInfo[StoreError]) -> str:
 
 
 def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted(
-        hosts: Callable[..., Store], tmp_path: Path) -> None:
-    url = hosts.redis.url  # type: ignore[attr-defined]
+        hosts: Hosts, tmp_path: Path) -> None:
+    url = hosts.redis.url
     with pytest.raises(StoreError) as e:
         RemoteConfig(url).validate()
     assert "has no secret" in one_line(e) and "lmctl remote secret PATH" in one_line(e)
@@ -306,7 +307,7 @@ def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted
         RemoteTier(url, key_prefix="t")
     for bad, why in (({"remote.trust": "everyone"}, "not known"),
                      ({"remote.trust": "all-writers", "remote.encrypt": "true"}, "need remote.secret_file"),
-                     ({"remote.trust": "all-writers", "remote.secret_file": hosts.secret},  # type: ignore[attr-defined]
+                     ({"remote.trust": "all-writers", "remote.secret_file": hosts.secret},
                       "contradict")):
         with pytest.raises(StoreError, match=why):
             apply_settings(StoreConfig(), {"remote.url": url, **bad})
@@ -319,7 +320,7 @@ def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted
     a, b = hosts("a", secret_file=None, trust="all-writers"), hosts("b", secret_file=None, trust="all-writers")
     k = NS.chunk_keys(TOKENS)[0]
     assert a.put(k, content(k, N), SMALL_LAYOUT, 16)
-    rc = hosts.redis.client()  # type: ignore[attr-defined]
+    rc = hosts.redis.client()
     [head] = heads(rc)
     forge_plain(rc, head.decode(), k, bytes(N))
     got = b.get(k)
@@ -336,10 +337,10 @@ def test_a_tier_without_a_secret_refuses_to_start_unless_all_writers_are_trusted
         assert c2.put(k, content(k, N), SMALL_LAYOUT, 16) and c2.get(k) is not None  # local tiers serve
 
 
-def test_trust_settings_by_name_and_in_a_config_file(hosts: Callable[..., Store], tmp_path: Path) -> None:
+def test_trust_settings_by_name_and_in_a_config_file(hosts: Hosts, tmp_path: Path) -> None:
     from lmctl.settings import read_config_file
 
-    url, secret = hosts.redis.url, hosts.secret  # type: ignore[attr-defined]
+    url, secret = hosts.redis.url, hosts.secret
     cfg = apply_settings(StoreConfig(), {"remote.url": url, "remote.secret_file": secret,
                                          "remote.previous_secret_file": secret, "remote.encrypt": "yes"})
     assert cfg.remote is not None and (cfg.remote.secret_file, cfg.remote.previous_secret_file, cfg.remote.encrypt,
@@ -357,8 +358,8 @@ def test_trust_settings_by_name_and_in_a_config_file(hosts: Callable[..., Store]
 
 
 def test_the_secret_file_must_be_private_regular_and_hold_a_secret(tmp_path: Path,
-                                                                   hosts: Callable[..., Store]) -> None:
-    good = Path(hosts.secret)  # type: ignore[attr-defined]
+                                                                   hosts: Hosts) -> None:
+    good = Path(hosts.secret)
     assert len(read_secret(good)) == 32
 
     def refused(path: Path, why: str) -> None:
@@ -396,7 +397,8 @@ def test_the_secret_file_must_be_private_regular_and_hold_a_secret(tmp_path: Pat
         s.configure(cfg)
     assert s.config.to_json() == before and s.has_remote
     with s._index.read() as t:
-        assert bytes(t.raw.get(b"config", db=s._index.meta)) == before.encode()
+        stored = t.raw.get(b"config", db=s._index.meta)
+        assert stored is not None and bytes(stored) == before.encode()
 
 
 def test_lmctl_remote_secret_makes_a_private_secret_and_never_overwrites(tmp_path: Path) -> None:
@@ -428,9 +430,9 @@ def plant_huge_head(r: redis.Redis, tier: RemoteTier, key: bytes, keys: Keys | N
     r.set(head, keys.seal_head(MODE_MAC if keys.authenticated else MODE_PLAIN, head, key, new_nonce(), body))
 
 
-def test_a_16_GiB_head_claim_allocates_nothing(hosts: Callable[..., Store], tmp_path: Path) -> None:
+def test_a_16_GiB_head_claim_allocates_nothing(hosts: Hosts, tmp_path: Path) -> None:
     a, b = hosts("a"), hosts("b")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k, other = NS.chunk_keys(TOKENS)[:2]
     plant_huge_head(r, tier_of(a), k)
     tracemalloc.start()
@@ -458,16 +460,16 @@ assert t.get_into({k!r}, bytearray({N})) is None
 st = t.stats()
 assert (st.foreign, st.too_small, st.errors) == (1, 1, 0), st
 print("refused")
-"""  # type: ignore[attr-defined]
+"""
     env = {**env_with_path(), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and "refused" in p.stdout, p.stderr[-2000:]
 
 
-def test_a_16_GiB_head_claim_without_a_secret_allocates_nothing(hosts: Callable[..., Store]) -> None:
+def test_a_16_GiB_head_claim_without_a_secret_allocates_nothing(hosts: Hosts) -> None:
     """Without a secret any client can write a head whose checksum is good: bounded all the same."""
     b = hosts("b", secret_file=None, trust="all-writers")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k = NS.chunk_keys(TOKENS)[0]
     plant_huge_head(r, tier_of(b), k)
     tracemalloc.start()
@@ -480,7 +482,7 @@ def test_a_16_GiB_head_claim_without_a_secret_allocates_nothing(hosts: Callable[
 
 
 # -- provenance -------------------------------------------------------------------------------------
-def test_a_promoted_chunk_keeps_its_provenance(hosts: Callable[..., Store], tmp_path: Path) -> None:
+def test_a_promoted_chunk_keeps_its_provenance(hosts: Hosts, tmp_path: Path) -> None:
     a, b = hosts("a"), hosts("b")
     keys = NS.chunk_keys(TOKENS)
     k, mine = keys[0], keys[1]
@@ -523,17 +525,17 @@ def test_a_promoted_chunk_keeps_its_provenance(hosts: Callable[..., Store], tmp_
 # -- large values: checks on a helper thread (a lane) or inline ------------------------------------
 @pytest.mark.parametrize("encrypt", [False, True])
 @pytest.mark.parametrize("lanes", [False, True])
-def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[..., Store], encrypt: bool,
+def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Hosts, encrypt: bool,
                                                              lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A value of several MiB is MAC'd (or decrypted) as it lands, inline or on a helper thread
     (where the process has the cores for one): the same verdicts either way, and a read cut off
     in the middle leaves nothing running on the caller's buffer."""
     import store.tiers.resp as resp
 
-    srv = hosts.redis  # type: ignore[attr-defined]
+    srv = hosts.redis
     r = srv.client()
     size, pb = 3 << 20, 1 << 20
-    t = RemoteTier(srv.url, key_prefix="big", secret_file=hosts.secret, encrypt=encrypt, piece_bytes=pb)  # type: ignore[attr-defined]
+    t = RemoteTier(srv.url, key_prefix="big", secret_file=hosts.secret, encrypt=encrypt, piece_bytes=pb)
     t.use_lanes = lanes
     try:
         k = b"\x05" * 48
@@ -547,7 +549,7 @@ def test_large_values_are_checked_alike_inline_and_on_a_lane(hosts: Callable[...
         assert t.get_into(k, out) is not None and bytes(out) == data
         assert (t._lanes is not None) == lanes
         p = t.piece_keys(k, 3)[1]
-        v = bytearray(r.get(p) or b"")
+        v = bytearray(as_bytes(r.get(p) or b""))
         v[12345] ^= 0x40
         r.set(p, bytes(v))
         assert t.get_into(k, out) is None and t.stats().forged == 1 and r.dbsize() == 0
@@ -585,7 +587,8 @@ def test_the_payload_mac_is_the_same_over_any_slicing_and_bound_to_its_value() -
     nonce = new_nonce()
     data = os.urandom(3 * 65536 + 4093)
 
-    def tag(parts: list[memoryview | bytes], name: str = "p:{a}:h", key: bytes = k1, n: bytes = nonce) -> bytes:
+    def tag(parts: list[memoryview | bytes | bytearray], name: str = "p:{a}:h", key: bytes = k1,
+            n: bytes = nonce) -> bytes:
         mac = keys.payload_mac(name, key, n)
         for p in parts:
             mac.update(p)
@@ -610,7 +613,7 @@ def test_the_payload_mac_is_the_same_over_any_slicing_and_bound_to_its_value() -
     assert Keys.derive(os.urandom(32)).payload_mac("p:{a}:h", k1, nonce).digest() != tag([])  # another secret
 
 
-def test_any_flipped_bit_of_any_piece_is_forged(hosts: Callable[..., Store]) -> None:
+def test_any_flipped_bit_of_any_piece_is_forged(hosts: Hosts) -> None:
     """Values of several pieces, the last one short: one bit flipped by a client without the
     secret, at the start, the end or a boundary of a piece, is a miss counted ``forged``."""
     from store import KVFormat
@@ -620,7 +623,7 @@ def test_any_flipped_bit_of_any_piece_is_forged(hosts: Callable[..., Store]) -> 
     ns = Namespace("public-model", fmt)
     n = fmt.chunk_bytes
     a, b = hosts("a", piece_bytes=64 << 10), hosts("b", piece_bytes=64 << 10)
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     spots = [(0, 0), (0, 65535), (1, 0), (2, 65535), (3, 0), (3, n - 3 * 65536 - 1)]
     keys = ns.chunk_keys(list(range(50 * (len(spots) + 1))))
     for i, (piece, off) in enumerate(spots):
@@ -628,7 +631,7 @@ def test_any_flipped_bit_of_any_piece_is_forged(hosts: Callable[..., Store]) -> 
         assert a.put(k, content(k, n), layout, 50)
         [head] = [h for h in heads(r) if len(pieces_of(r, h)) == 4]
         p = pieces_of(r, head)[piece]
-        v = bytearray(r.get(p) or b"")
+        v = bytearray(as_bytes(r.get(p) or b""))
         v[off] ^= 0x10
         r.set(p, bytes(v))
         assert b.get_into(k, bytearray(n)) is None
@@ -639,15 +642,15 @@ def test_any_flipped_bit_of_any_piece_is_forged(hosts: Callable[..., Store]) -> 
     assert b.get_into(k, out) is not None and bytes(out) == content(k, n) and remote(b)["hits"] == 1
 
 
-def test_a_value_of_the_earlier_format_is_foreign_not_forged(hosts: Callable[..., Store]) -> None:
+def test_a_value_of_the_earlier_format_is_foreign_not_forged(hosts: Hosts) -> None:
     """Values that an lmctl of the previous format wrote (keyed-BLAKE3 payloads, head version 3)
     are misses counted ``foreign`` that the next put overwrites: an upgrade is not an attack."""
     a, b = hosts("a"), hosts("b")
-    r = hosts.redis.client()  # type: ignore[attr-defined]
+    r = hosts.redis.client()
     k = NS.chunk_keys(TOKENS)[0]
     assert a.put(k, content(k, N), SMALL_LAYOUT, 16)
     [head] = heads(r)
-    old = bytearray(r.get(head) or b"")
+    old = bytearray(as_bytes(r.get(head) or b""))
     struct.pack_into("<H", old, 4, 3)  # the version field after the magic
     r.set(head, bytes(old))
     assert b.get_into(k, bytearray(N)) is None

@@ -60,20 +60,20 @@ def test_salt_is_in_no_file_and_no_output(tmp_path: Path) -> None:
     d = Daemon(root)
     d.start()
     try:
-        doc = tokens_file(tmp_path, TOKENS)
+        doc_path = tokens_file(tmp_path, TOKENS)
         outputs = []
-        r = cj(d, "lookup", "--tokens", doc, "--cache-salt", SALT)
+        r = cj(d, "lookup", "--tokens", doc_path, "--cache-salt", SALT)
         assert r["hit_tokens"] == 48
         assert r["namespace"]["salted"] is True and "cache_salt" not in r["namespace"]
         assert r["namespace"]["salt_digest"] == rec.salt_digest
         outputs.append(r)
-        r = cj(d, "lookup", "--tokens", doc)  # without the tenant's salt: its chunks are not found
+        r = cj(d, "lookup", "--tokens", doc_path)  # without the tenant's salt: its chunks are not found
         assert r["hit_tokens"] == 0 and r["namespace"]["salted"] is False
         outputs.append(r)
         outputs += [cj(d, "ls"), cj(d, "inspect"), cj(d, "inspect", "--key", ns.chunk_keys(TOKENS)[0].hex()),
                     cj(d, "ls", "--model", "m"), cj(d, "status")]
         assert outputs[2]["total"] == 3 and outputs[5]["total"] == 3
-        human = cli(d, "lookup", "--tokens", doc, "--cache-salt", SALT)
+        human = cli(d, "lookup", "--tokens", doc_path, "--cache-salt", SALT)
         assert human.returncode == 0
         for out in [*map(json.dumps, outputs), human.stdout, human.stderr]:
             assert SALT not in out
@@ -308,6 +308,7 @@ def test_an_allowed_uid_connects_through_a_group_socket_and_others_are_denied(
             assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == users["gid"]
             got = as_user(users["a"], users["gid"], [users["gid"]], str(sock))
             assert got["uid"] == users["a"] and "ok" in got, got
+            assert d.proc is not None
             assert got["ok"]["daemon"]["pid"] == d.proc.pid and got["ok"]["store"]["tiers"]["nvme"]["chunks"] == 6
             for _ in range(40):  # every time: the reply that says why arrives before the hang-up
                 other = as_user(users["b"], users["b_gid"], [users["gid"]], str(sock))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SMALL_FMT, SMALL_LAYOUT, content
+from conftest import SMALL_FMT, SMALL_LAYOUT, Hosts, content
 from redis_server import Server
 
 from store import MiB, Namespace, PutItem, Store, StoreConfig, StoreError, TierConfig
@@ -20,7 +19,7 @@ NS = Namespace("shared-model", SMALL_FMT)
 TOKENS = list(range(16 * 6))
 
 
-def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Callable[..., Store]) -> None:
+def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Hosts) -> None:
     a, b = hosts("a"), hosts("b")
     keys = NS.chunk_keys(TOKENS)
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:4]]))
@@ -37,7 +36,7 @@ def test_a_chunk_saved_on_one_host_is_found_and_read_on_another(hosts: Callable[
     assert stats is not None and stats["promoted"] == 2 and stats["hits"] == 2 and "test" == stats["key_prefix"]
 
 
-def test_never_writes_only_reads_and_prefixes_isolate(hosts: Callable[..., Store]) -> None:
+def test_never_writes_only_reads_and_prefixes_isolate(hosts: Hosts) -> None:
     a = hosts("a", write="never")
     keys = NS.chunk_keys(TOKENS)
     assert a.put(keys[0], content(keys[0], N), SMALL_LAYOUT, 16)
@@ -48,7 +47,7 @@ def test_never_writes_only_reads_and_prefixes_isolate(hosts: Callable[..., Store
     assert hosts("e").locate(keys[1:2]) == ["remote"]
 
 
-def test_move_to_remote_and_pins_of_remote_chunks(hosts: Callable[..., Store]) -> None:
+def test_move_to_remote_and_pins_of_remote_chunks(hosts: Hosts) -> None:
     a = hosts("a", write="never")
     keys = NS.chunk_keys(TOKENS)
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:3]]))
@@ -66,11 +65,11 @@ def test_move_to_remote_and_pins_of_remote_chunks(hosts: Callable[..., Store]) -
     assert c is not None and bytes(c.data) == content(keys[2], N)
 
 
-def test_a_dead_or_frozen_server_costs_misses_never_errors(hosts: Callable[..., Store]) -> None:
+def test_a_dead_or_frozen_server_costs_misses_never_errors(hosts: Hosts) -> None:
     a, b = hosts("a"), hosts("b")
     keys = NS.chunk_keys(TOKENS)
     assert a.put(keys[0], content(keys[0], N), SMALL_LAYOUT, 16)
-    redis: Server = hosts.redis  # type: ignore[attr-defined]
+    redis: Server = hosts.redis
     redis.signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -96,7 +95,7 @@ def test_settings_of_the_remote_tier_are_checked(tmp_path: Path) -> None:
             Store(tmp_path / "s", StoreConfig(remote=bad))
 
 
-def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., Store], tmp_path: Path,
+def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Hosts, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt the local store lacks: a near server's answer comes in the same call (the
     remote hit); with a slow one the scheduler answers vLLM "ask again later" (None) at once
@@ -113,8 +112,8 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     from engine_hook.scheduler import LMCtlConnectorScheduler
 
     # the reader's store, made first with a lookup deadline the slow half still runs out of
-    Store(tmp_path / "b", StoreConfig(remote=RemoteConfig(hosts.redis.url, key_prefix="test",  # type: ignore[attr-defined]
-                                                          lookup_timeout_s=1.0, secret_file=hosts.secret))).close()  # type: ignore[attr-defined]
+    Store(tmp_path / "b", StoreConfig(remote=RemoteConfig(hosts.redis.url, key_prefix="test",
+                                                          lookup_timeout_s=1.0, secret_file=hosts.secret))).close()
     a = hosts("a")
     url = a.config.remote.url  # type: ignore[union-attr]
     ns = Namespace("m", SMALL_FMT)
@@ -122,7 +121,7 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
     assert all(a.put_many([PutItem(k, content(k, N), SMALL_LAYOUT, 16) for k in keys[:4]]))
     settings = ConnectorSettings.parse({"store_path": str(tmp_path / "b"), "chunk_size": 16, "model_fingerprint": "off",
                                         "remote_url": url, "remote_key_prefix": "test",
-                                        "remote_secret_file": hosts.secret})  # type: ignore[attr-defined]
+                                        "remote_secret_file": hosts.secret})
     sched = LMCtlConnectorScheduler(ConnectorContext(settings, "m", SMALL_FMT, ["l0", "l1"], 16, None, None, {}))
     try:
         assert sched.store.has_remote and sched.store.config.remote.key_prefix == "test"  # type: ignore[union-attr]
@@ -133,7 +132,7 @@ def test_the_scheduler_asks_the_remote_tier_off_its_thread(hosts: Callable[..., 
         with monkeypatch.context() as m:
             m.setattr(scheduler_mod, "REMOTE_ASK_WAIT_S", 5.0)  # patience (a near server answers well within)
             assert sched.get_num_new_matched_tokens(req("r1"), 0) == (64, True)  # a near server: in the same call
-        redis: Server = hosts.redis  # type: ignore[attr-defined]
+        redis: Server = hosts.redis
         redis.signal(signal.SIGSTOP)  # a slow server: vLLM is told to ask again, the scheduler never waits
         try:
             t0 = time.monotonic()
@@ -174,11 +173,11 @@ def test_connector_remote_settings_are_checked() -> None:
     assert (s.remote_secret_file, s.remote_encrypt, s.remote_trust) == ("/etc/lmctl/remote.secret", True, None)
 
 
-def test_write_evict_puts_what_eviction_takes_and_nothing_else(hosts: Callable[..., Store], tmp_path: Path) -> None:
-    redis: Server = hosts.redis  # type: ignore[attr-defined]
+def test_write_evict_puts_what_eviction_takes_and_nothing_else(hosts: Hosts, tmp_path: Path) -> None:
+    redis: Server = hosts.redis
     cfg = StoreConfig(tiers={"nvme": TierConfig(capacity=16 * MiB)}, segment_bytes=1 * MiB,
                       remote=RemoteConfig(redis.url, key_prefix="test", write="evict",
-                                          secret_file=hosts.secret))  # type: ignore[attr-defined]
+                                          secret_file=hosts.secret))
     a = Store(tmp_path / "small", cfg)
     try:
         big = 1 << 20

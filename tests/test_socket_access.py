@@ -65,8 +65,8 @@ def test_the_lock_file_goes_when_the_daemon_stops_or_a_start_is_refused(daemon: 
     assert second.returncode == 1 and lock.exists()  # the running daemon's lock is left alone
     assert daemon.stop() == 0
     assert not lock.exists() and not daemon.sock.exists()
-    daemon.start()  # and it starts again, taking a new lock file
-    assert lock.exists() and cj(daemon, "status")["daemon"]["pid"] == daemon.proc.pid
+    proc = daemon.start()  # and it starts again, taking a new lock file
+    assert lock.exists() and cj(daemon, "status")["daemon"]["pid"] == proc.pid
 
 
 def test_another_users_socket_says_permission_denied_and_how_to_get_access(  # noqa: F811

@@ -47,6 +47,9 @@ def wiring_after_construction(source: str) -> list[str]:
             targets = [ast.Attribute(node.args[0], "?", ast.Store())] if node.args else []
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ADDERS:
             targets = [node.func.value]
+        if not targets:
+            continue
+        assert isinstance(node, (ast.stmt, ast.expr))  # an assignment or a call: it has a line number
         for t in targets:
             for sub in ast.walk(t):
                 if not isinstance(sub, ast.Attribute):
@@ -125,11 +128,12 @@ def _part_classes() -> list[type]:
     from store.ops.reads import Reads
     from store.ops.recovery import Recovery
     from store.ops.writes import Writes
+    from store.tiers.ladder import Ladder
     from store.tiers.sharing import Sharing
     from store.tiers.space import Space
 
     return [Index, EventLog, Space, Namespaces, Pins, Compactor, Evictor, Recovery, Checker, StoreMeta, Report, Reads,
-            Writes, Sharing]
+            Writes, Sharing, Ladder]
 
 
 @pytest.fixture
@@ -549,4 +553,22 @@ def test_lmctls_errors_are_its_own_not_the_stores() -> None:
     for cls in (UsageError, Cancelled, Denied, AlreadyServing, SocketUnreachable):
         assert issubclass(cls, LmctlError) and not issubclass(cls, StoreError), cls
     tree = ast.parse((ROOT / "lmctl" / "errors.py").read_text())
-    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.module != "__future__"]
+    assert not [n for n in ast.walk(tree)
+                if isinstance(n, ast.Import) or (isinstance(n, ast.ImportFrom) and n.module != "__future__")]
+
+
+def test_the_tier_list_is_declared_once_and_its_copies_agree() -> None:
+    """store/config.py declares the tiers (``TIER_ORDER``, ``TIER_LADDER``); the two places that
+    may not import the store to know them (the CLI's completion, which starts without it, and
+    the connector's metric definitions, loaded by vLLM's API server) keep copies that agree."""
+    from engine_hook import stats
+    from lmctl import completion
+    from store.config import TIER_IDS, TIER_LADDER, TIER_ORDER
+
+    assert TIER_LADDER[: len(TIER_ORDER)] == TIER_ORDER and list(TIER_IDS) == list(TIER_LADDER)
+    assert stats.TIERS == completion.TIERS == TIER_LADDER
+    assert completion.VALUES["--tier"] == completion.VALUES["warm --to"] == TIER_ORDER
+    literal = '("dram", "nvme"'
+    copies = [p.relative_to(ROOT).as_posix() for pkg in ("store", "lmctl", "engine_hook")
+              for p in sorted((ROOT / pkg).rglob("*.py")) if literal in p.read_text()]
+    assert sorted(copies) == ["engine_hook/stats.py", "lmctl/completion.py", "store/config.py"]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from store import ChunkInfo, Counts, PutItem, RewriteResult, Store, StoreError
+from store.config import TIER_ORDER
 
 from ..errors import UsageError
 from ..selection import arg, caller_uid, configured_tier, filters_of, select
@@ -200,7 +201,7 @@ def op_warm(store: Store, args: dict[str, Any], job: Job) -> dict[str, Any]:
     tier, read through the store (verified, then stored locally). ``chunks`` counts both,
     ``fetched`` those that came from the remote tier."""
     to = arg(args, "to", str, "dram")
-    if to not in ("dram", "nvme"):
+    if to not in TIER_ORDER:
         raise UsageError(f"--to must be dram or nvme, not {to!r} (move --to remote puts chunks in the remote tier)")
     if to == "dram" and "dram" not in store.config.tiers:
         raise UsageError("tier dram is not configured in this store; nothing to promote "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..config import TIER_ORDER, StoreConfig
+from ..config import StoreConfig
 from ..errors import DiskFullError, ReadOnlyError, StoreError, is_read_only
 from ..format.codec import CODEC_NAMES, Codec, codec_id
 from ..format.keys import DTYPE_SIZES, KEY_BYTES
@@ -24,7 +24,8 @@ from ..format.record import encode_trailer, record_len
 from ..index import ORIGIN_LOCAL, ORIGIN_REMOTE, Entry, Index, Txn, origin_of
 from ..index.schema import META_WRITE_PROBE
 from ..tiers.admission import Admission
-from ..tiers.sharing import Sharing, Stored
+from ..tiers.ladder import Ladder
+from ..tiers.sharing import Stored
 from ..tiers.space import Slot, Space, TierState
 from ..types import PutItem, RewriteResult
 from .eviction import Evictor
@@ -63,11 +64,12 @@ class Writes:
 
     def __init__(self, index: Index, space: Space, evictor: Evictor, reads: Reads,
                  config: Callable[[], StoreConfig], codec: Callable[[], Codec], lock: threading.RLock,
-                 admission: Admission, remote: Callable[[], Sharing | None] = lambda: None,
+                 admission: Admission, ladder: Ladder,
                  clock: Clock = SYSTEM_CLOCK) -> None:
-        """``admission``: which saves reach the nvme tier (store/tiers/admission.py); ``remote``: the
-        remote tier as it is now (None: none), which takes the chunks a put stores (write
-        ``always``) or the chunks eviction drops (write ``evict``)."""
+        """``admission``: which saves reach the nvme tier (store/tiers/admission.py); ``ladder``:
+        the store's tiers in order (store/tiers/ladder.py): where a save may land and where
+        evicted chunks spill, and the remote tier as it is now (None: none), which takes the
+        chunks a put stores (write ``always``) or the chunks eviction drops (write ``evict``)."""
         self.index = index
         self.admission = admission
         self.space = space
@@ -76,7 +78,8 @@ class Writes:
         self._config = config
         self._codec = codec
         self.lock = lock
-        self._remote = remote
+        self.ladder = ladder
+        self._remote = ladder.remote
         self.clock = clock  # chunks' creation times, and when a refused tier is tried again
         #: tier -> when (monotonic) saves try it again: its disk refused the last batch
         self._refused_until: dict[str, float] = {}
@@ -138,8 +141,7 @@ class Writes:
     def _spill_chain(self, first: str) -> list[str]:
         """The tiers a save to ``first`` may land in, in the order to try them: ``first`` and
         the local tiers after it; those whose disk refused a batch lately go last."""
-        names = [n for n in TIER_ORDER if n in self.space.tiers]
-        chain = names[names.index(first):] if first in names else [first]
+        chain = self.ladder.from_(first)
         now = self.clock.monotonic()
         fresh = [n for n in chain if self._refused_until.get(n, 0.0) <= now]
         return fresh + [n for n in chain if n not in fresh]
@@ -306,22 +308,16 @@ class Writes:
         return None
 
     # -- making room: eviction, and where its victims go -------------------------------
-    def _spills(self) -> bool:
-        """Whether evicted chunks go somewhere first: dram to nvme, and the last local tier to
-        the remote tier when its write policy is ``evict``."""
-        remote = self._remote()
-        return (remote is not None and remote.cfg.write == "evict") or {"dram", "nvme"} <= set(self.space.tiers)
-
     def spill_moves(self, tier: str) -> bool:
         """Whether chunks evicted from ``tier`` move to another local tier (keeping them)."""
-        return tier == "dram" and "nvme" in self.space.tiers and self._spills()
+        return self.ladder.local_below(tier) is not None
 
     def make_room(self, tier: str, incoming: int, trim: bool = False) -> int:
         """Evict until ``incoming`` more bytes fit in ``tier`` (``Evictor``); returns the
         chunks evicted. Where victims spill, the evictor decides (``choose``), they are moved
         here (the write path's own ``rewrite``, or a push to the remote tier), and the evictor
         drops what is still where it was (``finish``): the evictor never calls back."""
-        if not self._spills():
+        if not self.ladder.spills():
             return self.evictor.make_room(tier, incoming, trim)
         room = self.evictor.choose(tier, incoming, trim, self.spill_moves(tier))
         if room is None:
@@ -335,7 +331,8 @@ class Writes:
         return self.evictor.finish(room)
 
     def _spill(self, tier: str, victims: list[tuple[bytes, Entry]]) -> None:
-        if tier == "dram" and "nvme" in self.space.tiers:
+        below = self.ladder.local_below(tier)
+        if below is not None:
             if self.admission.second_hit():  # only chunks that earned it; the evictor drops the rest
                 admitted = self.admission.spill_admits(victims, self.reads.read_lately)
                 dropped = [e for (_k, e), ok in zip(victims, admitted, strict=True) if not ok]
@@ -344,9 +341,9 @@ class Writes:
                     m.inc("not_admitted_total", len(dropped), path="spill")
                     m.inc("not_admitted_bytes_total", sum(e.raw_len for e in dropped), path="spill")
                 victims = [v for v, ok in zip(victims, admitted, strict=True) if ok]
-            moved = self.rewrite([k for k, _e in victims], tier="nvme").chunks
+            moved = self.rewrite([k for k, _e in victims], tier=below).chunks
             if moved:
-                log.debug("demoted %d chunk(s) from dram to nvme", moved)
+                log.debug("demoted %d chunk(s) from %s to %s", moved, tier, below)
             return
         remote = self._remote()
         if remote is not None and remote.cfg.write == "evict":
