@@ -17,7 +17,8 @@ MiB = 1 << 20
 TIER_ORDER = ("dram", "nvme")
 #: every tier a chunk can be in, top to bottom: the local tiers, then the shared remote tier
 TIER_LADDER = (*TIER_ORDER, "remote")
-TIER_IDS = {name: i for i, name in enumerate(TIER_LADDER)}
+#: each tier's id as entries and segment records store it (on disk: never renumbered)
+TIER_IDS = {"dram": 0, "nvme": 1, "remote": 2}
 TIER_NAMES = {v: k for k, v in TIER_IDS.items()}
 
 

@@ -143,16 +143,7 @@ class Recovery:
         def fn(t: Txn) -> int | None:
             if t.segment(sid) is None or os.path.exists(st.io.path(sid)):
                 return None
-            entries = t.entries_in_segment(sid)
-            for key, e in entries:
-                t.unindex_entry(key, e)
-            if entries:
-                t.event("corrupt", "segment-missing", [k for k, _e in entries], tier=st.name,
-                        detail=f"segment {sid}'s file vanished")
-            cur = t.segment(sid)
-            if cur is not None:
-                t.drop_segment(st.name, sid, cur, remove_file=False)
-            return len(entries)
+            return _forget_vanished(t, st, sid)
 
         with self.lock:
             n = self.index.write(fn)
@@ -203,15 +194,7 @@ class Recovery:
             return None
         if fd < 0:
             # the file is gone: forget it and everything indexed in it
-            gone = t.entries_in_segment(sid)
-            for key, e in gone:
-                t.unindex_entry(key, e)
-            if gone:
-                t.event("corrupt", "segment-missing", [k for k, _e in gone], tier=st.name,
-                        detail=f"segment {sid}'s file vanished")
-            cur = t.segment(sid)
-            if cur is not None:
-                t.drop_segment(st.name, sid, cur, remove_file=False)
+            _forget_vanished(t, st, sid)
             return Problem("missing-segment", f"segment {sid} vanished")
         # bytes past the last indexed record were never made visible: cut them
         end = ALIGN
@@ -396,3 +379,18 @@ def _prefix_of(meta: Any) -> bytes | None:
         return bytes.fromhex(text) if isinstance(text, str) and len(text) == 32 else None
     except ValueError:
         return None
+
+
+def _forget_vanished(t: Txn, st: TierState, sid: int) -> int:
+    """In ``t``: unindex every entry of segment ``sid`` (its file is gone), log them as
+    corrupt, and drop the segment's record; the number of entries forgotten."""
+    entries = t.entries_in_segment(sid)
+    for key, e in entries:
+        t.unindex_entry(key, e)
+    if entries:
+        t.event("corrupt", "segment-missing", [k for k, _e in entries], tier=st.name,
+                detail=f"segment {sid}'s file vanished")
+    cur = t.segment(sid)
+    if cur is not None:
+        t.drop_segment(st.name, sid, cur, remove_file=False)
+    return len(entries)

@@ -79,7 +79,6 @@ class Writes:
         self._codec = codec
         self.lock = lock
         self.ladder = ladder
-        self._remote = ladder.remote
         self.clock = clock  # chunks' creation times, and when a refused tier is tried again
         #: tier -> when (monotonic) saves try it again: its disk refused the last batch
         self._refused_until: dict[str, float] = {}
@@ -227,7 +226,7 @@ class Writes:
                 raise
             if self._config().fsync:  # an acknowledged put survives a power cut that comes SYNC_SOON_S later
                 self.index.sync_soon()
-        remote = self._remote() if share and replace is None else None
+        remote = self.ladder.remote() if share and replace is None else None
         if remote is not None and remote.cfg.write == "always":  # the remote tier's write-through
             shared: list[Stored] = [(p.item.key, p.stored, len(p.raw), p.codec, 0 if p.codec == 0 else
                                      (codec.level if level is None else level), p.layout, p.item.tokens, csum)
@@ -345,7 +344,7 @@ class Writes:
             if moved:
                 log.debug("demoted %d chunk(s) from %s to %s", moved, tier, below)
             return
-        remote = self._remote()
+        remote = self.ladder.remote()
         if remote is not None and remote.cfg.write == "evict":
             remote.push_entries(victims, self.reads.stored_bytes)
 

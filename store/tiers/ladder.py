@@ -13,13 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ..config import TIER_LADDER, TIER_ORDER
+from ..config import TIER_ORDER
 
 if TYPE_CHECKING:
     from .sharing import Sharing
     from .space import TierState
-
-REMOTE = TIER_LADDER[-1]
 
 
 class Ladder:
@@ -34,10 +32,6 @@ class Ladder:
         """The local tiers the store has, top to bottom."""
         return [n for n in TIER_ORDER if n in self._local]
 
-    def rungs(self) -> list[str]:
-        """Every tier the store has, top to bottom (``remote`` last, when there is one)."""
-        return self.local() + ([REMOTE] if self.remote() is not None else [])
-
     def top(self) -> str | None:
         """The highest local tier: where a promoted chunk goes (None: no local tier)."""
         local = self.local()
@@ -46,8 +40,8 @@ class Ladder:
     def local_below(self, name: str) -> str | None:
         """The next local tier under ``name``: where its evicted chunks spill (None: it is the
         last local tier, or not one of the store's)."""
-        local = self.local()
-        return local[local.index(name) + 1] if name in local and local.index(name) + 1 < len(local) else None
+        under = self.from_(name)[1:]
+        return under[0] if under else None
 
     def from_(self, first: str) -> list[str]:
         """``first`` and the local tiers under it, top to bottom (``[first]`` if it is not one)."""
